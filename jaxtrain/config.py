@@ -1,0 +1,306 @@
+"""Typed run configuration: YAML file + dotted ``key=value`` overrides.
+
+The schema is a tree of pydantic models with ``extra='forbid'``. Loading goes
+YAML -> overrides -> unknown-key check (with a "did you mean" suggestion) ->
+pydantic type validation -> cross-field checks. Every failure is a
+:class:`ConfigError` whose message starts with the offending dotted key, and
+all of it happens before anything is compiled.
+
+The built-in defaults *are* the default job: a small Llama trained byte-level
+on the running interpreter's standard library (``data.path: stdlib``).
+"""
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+MESH_AXES = ("data", "fsdp", "tensor", "sequence", "expert")
+
+
+class ConfigError(ValueError):
+    """A config key, type or value is wrong. The message names the key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    """Llama-style decoder hyper-parameters."""
+
+    vocab_size: int = 0  # 0: taken from the tokenizer
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 4
+    d_ff: int = 384
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    dtype: Literal["float32", "bfloat16"] = "float32"  # activation/compute dtype
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    attention: Literal["xla"] = "xla"
+    init_std: float = 0.02
+
+
+class MeshConfig(_Section):
+    """Device-mesh axis sizes; at most one may be -1 (filled from the device count)."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+    sequence: int = 1
+    expert: int = 1
+
+
+class ShardingConfig(_Section):
+    rules: str = "fsdp_tp"  # a name in sharding_rules/ or a path to a YAML file
+    allow_fallback: bool = False  # replicate indivisible dims (reported) instead of failing
+
+
+class DataConfig(_Section):
+    path: str = "stdlib"  # file, glob, or 'stdlib' (the interpreter's Lib/*.py)
+    tokenizer: Literal["char", "byte"] = "byte"
+    seq_len: int = 128
+    val_fraction: float = 0.1
+    seed: int = 0
+
+
+class OptimizerConfig(_Section):
+    """AdamW with global-norm clipping, linear warmup then cosine decay to ``min_lr``."""
+
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 20
+    decay_steps: Optional[int] = None  # None: train.steps (MaxText's learning_rate_schedule_steps)
+    b1: float = 0.9
+    b2: float = 0.99
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    clip_norm: float = 1.0
+
+
+class TrainConfig(_Section):
+    steps: int = 300
+    global_batch: int = 16  # sequences per optimizer step, over all devices
+    grad_accum: int = 1  # micro-batches per step; micro-batch = global_batch / grad_accum
+    seed: int = 0
+    log_every: int = 25
+    eval_every: int = 100
+    eval_batches: int = 20
+    sample_tokens: int = 200
+    sample_prompt: str = "def "
+    sample_temperature: float = 0.8
+    peak_tflops: Optional[float] = None  # per-device peak override for MFU
+
+
+class CheckpointConfig(_Section):
+    enabled: bool = True
+    every: int = 100
+    keep: int = 3
+    async_save: bool = True
+
+
+class RunConfig(_Section):
+    dir: str = "runs/default"
+    progress: bool = True  # rich progress bar with ETA
+
+
+class Config(_Section):
+    model: ModelConfig = ModelConfig()
+    mesh: MeshConfig = MeshConfig()
+    sharding: ShardingConfig = ShardingConfig()
+    data: DataConfig = DataConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    train: TrainConfig = TrainConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    run: RunConfig = RunConfig()
+
+    @model_validator(mode="after")
+    def _check(self) -> "Config":
+        check_consistency(self)
+        return self
+
+    @property
+    def micro_batch(self) -> int:
+        return self.train.global_batch // self.train.grad_accum
+
+    @property
+    def decay_steps(self) -> int:
+        return self.optimizer.decay_steps or self.train.steps
+
+    def to_dict(self) -> dict:
+        return self.model_dump(mode="json")
+
+
+def _positive(key: str, value: int | float) -> None:
+    if value <= 0:
+        raise ConfigError(f"{key}: must be > 0, got {value}")
+
+
+def check_consistency(cfg: Config) -> None:
+    """Value checks that need no devices. Raises ConfigError naming the key."""
+    m, t = cfg.model, cfg.train
+    for key in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"):
+        _positive(f"model.{key}", getattr(m, key))
+    for key in ("steps", "global_batch", "grad_accum", "log_every", "eval_every", "eval_batches"):
+        _positive(f"train.{key}", getattr(t, key))
+    _positive("data.seq_len", cfg.data.seq_len)
+    _positive("checkpoint.every", cfg.checkpoint.every)
+    _positive("checkpoint.keep", cfg.checkpoint.keep)
+    if m.vocab_size < 0:
+        raise ConfigError(f"model.vocab_size: must be >= 0 (0 = from tokenizer), got {m.vocab_size}")
+    if m.d_model % m.n_heads:
+        raise ConfigError(f"model.d_model: {m.d_model} is not divisible by model.n_heads={m.n_heads}")
+    if (m.d_model // m.n_heads) % 2:
+        raise ConfigError(f"model.d_model: head dim {m.d_model // m.n_heads} must be even for rotary embeddings")
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(f"model.n_kv_heads: model.n_heads={m.n_heads} is not divisible by n_kv_heads={m.n_kv_heads}")
+    if t.global_batch % t.grad_accum:
+        raise ConfigError(
+            f"train.global_batch: {t.global_batch} is not divisible by train.grad_accum={t.grad_accum}")
+    if not 0.0 < cfg.data.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction: must be in (0, 1), got {cfg.data.val_fraction}")
+    sizes = [getattr(cfg.mesh, a) for a in MESH_AXES]
+    if sum(s == -1 for s in sizes) > 1:
+        raise ConfigError("mesh: at most one axis may be -1, got " + _mesh_str(cfg.mesh))
+    for a, s in zip(MESH_AXES, sizes):
+        if s == 0 or s < -1:
+            raise ConfigError(f"mesh.{a}: must be a positive size or -1, got {s}")
+
+
+def _mesh_str(mesh: MeshConfig) -> str:
+    return ", ".join(f"{a}={getattr(mesh, a)}" for a in MESH_AXES)
+
+
+def check_against_mesh(cfg: Config, axis_sizes: dict[str, int]) -> None:
+    """Checks that need the resolved mesh sizes (still before any compile).
+
+    Raises:
+      ConfigError: batch not divisible by the batch axes, or heads/kv heads
+        not divisible by the tensor axis.
+    """
+    batch_div = axis_sizes["data"] * axis_sizes["fsdp"] * axis_sizes["expert"]
+    if cfg.micro_batch % batch_div:
+        raise ConfigError(
+            f"train.global_batch: micro-batch {cfg.micro_batch} (global_batch {cfg.train.global_batch} / "
+            f"grad_accum {cfg.train.grad_accum}) is not divisible by data*fsdp*expert = "
+            f"{axis_sizes['data']}*{axis_sizes['fsdp']}*{axis_sizes['expert']} = {batch_div}")
+    tp = axis_sizes["tensor"]
+    for key in ("n_heads", "n_kv_heads"):
+        if getattr(cfg.model, key) % tp:
+            raise ConfigError(
+                f"model.{key}: {getattr(cfg.model, key)} is not divisible by mesh.tensor={tp}")
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _fields(model_cls: type[BaseModel]) -> dict[str, Any]:
+    return model_cls.model_fields
+
+
+def _check_keys(tree: Any, model_cls: type[BaseModel], prefix: str = "") -> None:
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {tree!r}")
+    fields = _fields(model_cls)
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if key not in fields:
+            valid = [f"{prefix}{k}" for k in fields]
+            close = difflib.get_close_matches(dotted, valid, n=1, cutoff=0.5)
+            hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(valid)}"
+            raise ConfigError(f"unknown config key '{dotted}'{hint}")
+        sub = fields[key].annotation
+        if isinstance(sub, type) and issubclass(sub, BaseModel):
+            _check_keys(value, sub, dotted + ".")
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``'train.steps=10'`` -> (['train', 'steps'], 10). Values are parsed as YAML scalars."""
+    if "=" not in item:
+        raise ConfigError(f"override '{item}': expected dotted key=value, e.g. train.steps=100")
+    key, raw = item.split("=", 1)
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override '{item}': empty key")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def _set(tree: dict, path: list[str], value: Any) -> None:
+    node = tree
+    for part in path[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override '{'.'.join(path)}': '{part}' is not a section")
+    node[path[-1]] = value
+
+
+def _validation_to_config_error(err: ValidationError) -> ConfigError:
+    first = err.errors()[0]
+    key = ".".join(str(p) for p in first["loc"]) or "config"
+    got = first.get("input")
+    if first["type"] == "value_error" and isinstance(first.get("ctx", {}).get("error"), ConfigError):
+        return first["ctx"]["error"]
+    return ConfigError(f"{key}: {first['msg']} (got {got!r})")
+
+
+def from_dict(tree: dict) -> Config:
+    """Validates a plain nested dict. Raises ConfigError naming the key."""
+    _check_keys(tree, Config)
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as err:
+        raise _validation_to_config_error(err) from None
+
+
+def load(path: Optional[str] = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Loads ``path`` (YAML, or None for the built-in default) and applies overrides.
+
+    Args:
+      path: a YAML file, or a config name found in ``configs/`` (e.g. 'shakespeare_char').
+      overrides: dotted ``key=value`` strings, applied in order after the file.
+
+    Raises:
+      ConfigError: missing file, bad YAML, unknown key, wrong type or inconsistent value.
+    """
+    tree: dict = {}
+    if path is not None:
+        file = resolve_resource(path, "configs")
+        try:
+            loaded = yaml.safe_load(file.read_text())
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {file}: invalid YAML: {err}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {file}: top level must be a mapping")
+        tree = loaded or {}
+    for item in overrides:
+        key, value = parse_override(item)
+        _set(tree, key, value)
+    return from_dict(tree)
+
+
+def resolve_resource(name: str, folder: str) -> Path:
+    """Finds a YAML file given as a path, or by name in ``configs/`` / ``sharding_rules/``.
+
+    Looks in the source checkout first, then in the installed package data.
+    Raises ConfigError if nothing matches.
+    """
+    candidate = Path(os.path.expanduser(name))
+    if candidate.is_file():
+        return candidate
+    stem = name if name.endswith((".yaml", ".yml")) else name + ".yaml"
+    roots = [Path(__file__).resolve().parent.parent / folder, Path(__file__).resolve().parent / folder]
+    for root in roots:
+        if (root / stem).is_file():
+            return root / stem
+    known = sorted({p.stem for r in roots if r.is_dir() for p in r.glob("*.yaml")})
+    raise ConfigError(f"{folder} file '{name}' not found (not a file; known names: {', '.join(known) or 'none'})")

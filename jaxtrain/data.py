@@ -1,0 +1,132 @@
+"""Text corpus -> tokenized train/validation splits -> Grain batches on the mesh.
+
+The corpus (a file, a glob, or ``stdlib``: the running interpreter's
+``Lib/*.py`` in sorted order) is concatenated, and its last ``val_fraction``
+is held out, as nanoGPT does. Training examples are windows of ``seq_len + 1``
+tokens starting at any position, drawn by a Grain ``MapDataset`` that is
+shuffled per epoch from the seed, so the whole stream is a pure function of
+``data.seed`` and the iterator state (``{'next_index': k}``) is the data
+position saved in checkpoints.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+import grain
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from jaxtrain.config import Config
+from jaxtrain.tokenizer import ByteTokenizer, CharTokenizer, DataError, Tokenizer
+
+
+def corpus_files(path: str) -> list[Path]:
+    """Files named by ``data.path``, sorted. Raises DataError if none exist."""
+    if path == "stdlib":
+        pattern = os.path.join(sysconfig.get_paths()["stdlib"], "*.py")
+    else:
+        pattern = os.path.expanduser(path)
+    if os.path.isdir(pattern):
+        raise DataError(f"data.path: '{path}' is a directory; give a file or a glob such as '{path}/*.txt'")
+    files = sorted(Path(p) for p in glob.glob(pattern) if os.path.isfile(p))
+    if not files:
+        raise DataError(f"data.path: no file matches '{path}'")
+    return files
+
+
+@dataclass
+class Corpus:
+    tokenizer: Tokenizer
+    train: np.ndarray  # [n_train] int32
+    val: np.ndarray  # [n_val] int32
+
+
+def load_corpus(cfg: Config, saved: Optional[Tokenizer] = None) -> Corpus:
+    """Reads, splits and tokenizes ``cfg.data.path``.
+
+    Args:
+      saved: a tokenizer from an earlier run of this run dir; it must equal the
+        one this corpus builds (else the checkpoint's embeddings mean other tokens).
+
+    Raises:
+      DataError: no files, an empty corpus, either split shorter than one
+        window of ``seq_len + 1`` tokens, or a tokenizer mismatch on resume.
+    """
+    files = corpus_files(cfg.data.path)
+    raw = b"\n".join(f.read_bytes() for f in files)
+    if cfg.data.tokenizer == "byte":
+        split = int(len(raw) * (1 - cfg.data.val_fraction))
+        tok: Tokenizer = ByteTokenizer()
+        train, val = tok.encode(raw[:split]), tok.encode(raw[split:])
+    else:
+        text = raw.decode("utf-8", errors="replace")
+        split = int(len(text) * (1 - cfg.data.val_fraction))
+        tok = CharTokenizer.build(text[:split])
+        train, val = tok.encode(text[:split]), tok.encode(text[split:])
+    if saved is not None and saved.to_json() != tok.to_json():
+        raise DataError(f"data.path: the tokenizer built from '{cfg.data.path}' differs from the one saved "
+                        f"in the run directory; use a new run.dir or the original corpus")
+    window = cfg.data.seq_len + 1
+    for name, arr in (("training", train), ("validation", val)):
+        if len(arr) < window:
+            raise DataError(
+                f"data.path: the {name} split of '{cfg.data.path}' has {len(arr)} tokens, fewer than one "
+                f"window of data.seq_len+1 = {window} tokens")
+    return Corpus(tok, train, val)
+
+
+def train_dataset(tokens: np.ndarray, seq_len: int, global_batch: int, seed: int) -> grain.MapDataset:
+    """Infinite ``MapDataset`` of [global_batch, seq_len + 1] int32 windows, reshuffled per epoch."""
+    n_windows = len(tokens) - seq_len
+
+    def window(i) -> np.ndarray:
+        return tokens[i:i + seq_len + 1]
+
+    return (grain.MapDataset.range(n_windows).shuffle(seed=seed).repeat()
+            .map(window).batch(global_batch, drop_remainder=True))
+
+
+def val_batches(tokens: np.ndarray, seq_len: int, batch: int, n_batches: int, seed: int) -> np.ndarray:
+    """A fixed set of validation windows, [n_batches, batch, seq_len + 1] int32 (random offsets, seeded)."""
+    starts = np.random.default_rng(seed + 1).integers(0, len(tokens) - seq_len, size=(n_batches, batch))
+    return tokens[starts[..., None] + np.arange(seq_len + 1)]
+
+
+class BatchIterator:
+    """Yields global batches as ``[grad_accum, micro_batch, seq_len + 1]`` jax.Arrays on the mesh.
+
+    Each process reads only its rows of every micro-batch and the global array
+    is assembled with ``jax.make_array_from_process_local_data``.
+    """
+
+    def __init__(self, dataset: grain.MapDataset, grad_accum: int, sharding: NamedSharding):
+        self._iter = iter(dataset.to_iter_dataset())
+        self.grad_accum = grad_accum
+        self.sharding = sharding
+
+    def get_state(self) -> dict:
+        return dict(self._iter.get_state())
+
+    def set_state(self, state: dict) -> None:
+        self._iter.set_state(state)
+
+    def __iter__(self) -> Iterator[jax.Array]:
+        return self
+
+    def __next__(self) -> jax.Array:
+        batch = np.asarray(next(self._iter))
+        return to_global(batch.reshape(self.grad_accum, -1, batch.shape[-1]), self.sharding)
+
+
+def to_global(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """[accum, batch, ...] host array (identical on every process) -> global jax.Array, batch dim sharded."""
+    n, pid = jax.process_count(), jax.process_index()
+    rows = host.shape[1] // n
+    local = host[:, pid * rows:(pid + 1) * rows]
+    return jax.make_array_from_process_local_data(sharding, local, host.shape)

@@ -1,0 +1,179 @@
+"""Logical axis names -> mesh axes, with named errors instead of silent replication.
+
+A rule set maps each logical name ('batch', 'embed', 'mlp', ...) to an
+*ordered* list of candidates. A candidate is a mesh axis, a list of mesh axes
+(sharded over their product), or ``null`` (replicate, explicitly). For each
+dimension of an array, the first candidate none of whose mesh axes is already
+used by an earlier dimension of the same array wins: the T5X / flax-linen
+``logical_to_mesh_axes`` semantics. So with ``batch: [[data, fsdp]]`` and
+``embed: [fsdp, null]`` a parameter [embed, mlp] gets fsdp on embed, while an
+activation [batch, length, embed] leaves embed replicated.
+
+Errors (all :class:`ShardingError`, naming array, dimension, size and axis):
+  * a logical name with no rule;
+  * no candidate left because every one uses an axis taken by another dim
+    (the "axis used twice" case) and no explicit ``null`` candidate follows;
+  * a dimension not divisible by the product of its mesh axes (unless
+    ``allow_fallback``, which replicates that dim and records it in a report);
+  * a rules file naming a mesh axis that does not exist.
+
+Model code uses only :func:`constrain`, which is a no-op outside
+:func:`activation_sharding`; it never sees a mesh.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import jax
+import yaml
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxtrain.config import MESH_AXES, ConfigError, resolve_resource
+
+Candidate = Optional[tuple[str, ...]]  # None = replicate explicitly
+
+
+class ShardingError(ValueError):
+    """A logical->mesh mapping that cannot be honoured without silent replication."""
+
+
+@dataclass
+class Rules:
+    """An ordered rule set: logical name -> candidate mesh-axis tuples (None = replicate)."""
+
+    name: str
+    table: dict[str, list[Candidate]]
+    allow_fallback: bool = False
+    fallbacks: list[str] = field(default_factory=list)  # report of replicated dims
+
+    @classmethod
+    def load(cls, name_or_path: str, allow_fallback: bool = False) -> "Rules":
+        """Reads ``sharding_rules/<name>.yaml`` (or a path). Raises ConfigError/ShardingError."""
+        path = resolve_resource(name_or_path, "sharding_rules")
+        try:
+            raw = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as err:
+            raise ConfigError(f"sharding.rules: {path}: invalid YAML: {err}") from None
+        if not isinstance(raw, dict) or not isinstance(raw.get("rules"), dict):
+            raise ConfigError(f"sharding.rules: {path}: expected a mapping with a 'rules' mapping")
+        table: dict[str, list[Candidate]] = {}
+        for logical, cands in raw["rules"].items():
+            if not isinstance(cands, list):
+                cands = [cands]
+            parsed: list[Candidate] = []
+            for cand in cands:
+                if cand is None:
+                    parsed.append(None)
+                    continue
+                axes = (cand,) if isinstance(cand, str) else tuple(cand)
+                for ax in axes:
+                    if ax not in MESH_AXES:
+                        raise ShardingError(
+                            f"rules '{path.stem}': logical name '{logical}' maps to mesh axis '{ax}', "
+                            f"which does not exist (mesh axes: {', '.join(MESH_AXES)})")
+                parsed.append(axes)
+            table[str(logical)] = parsed
+        return cls(path.stem, table, allow_fallback)
+
+    def spec(self, what: str, logical: Sequence[Optional[str]], shape: Sequence[int],
+             mesh: Mesh) -> P:
+        """PartitionSpec for one array.
+
+        Args:
+          what: the array's name for error messages (a parameter path).
+          logical: one logical name (or None = replicated) per dimension.
+          shape: the array's shape; each sharded dim must divide evenly.
+          mesh: the device mesh (only its axis sizes are read).
+
+        Raises:
+          ShardingError: no rule, no free axis, or an indivisible dimension.
+        """
+        if len(logical) != len(shape):
+            raise ShardingError(f"{what}: {len(logical)} logical names {tuple(logical)} for shape {tuple(shape)}")
+        used: set[str] = set()
+        out: list[Any] = []
+        for dim, (name, size) in enumerate(zip(logical, shape)):
+            if name is None:
+                out.append(None)
+                continue
+            if name not in self.table:
+                raise ShardingError(
+                    f"{what}: dimension {dim} has logical name '{name}' with no rule in rule set "
+                    f"'{self.name}' (known: {', '.join(self.table)})")
+            choice = _first_free(self.table[name], used)
+            if choice is False:
+                taken = [a for c in self.table[name] if c for a in c if a in used]
+                raise ShardingError(
+                    f"{what}: dimension {dim} ('{name}', size {size}): mesh axis '{taken[0]}' is already "
+                    f"used by another dimension of this array and rule set '{self.name}' gives no other "
+                    f"candidate (add null to replicate explicitly)")
+            if choice is None:
+                out.append(None)
+                continue
+            ways = math.prod(mesh.shape[a] for a in choice)
+            if size % ways:
+                msg = (f"{what}: dimension {dim} ('{name}', size {size}) is not divisible by mesh axis "
+                       f"{'*'.join(choice)} = {ways}")
+                if not self.allow_fallback:
+                    raise ShardingError(msg + " (set sharding.allow_fallback=true to replicate it)")
+                self.fallbacks.append(msg + " -> replicated")
+                out.append(None)
+                continue
+            used.update(choice)
+            out.append(choice[0] if len(choice) == 1 else choice)
+        return P(*out)
+
+
+def _first_free(cands: list[Candidate], used: set[str]):
+    for cand in cands:
+        if cand is None or not used.intersection(cand):
+            return cand
+    return False
+
+
+def path_str(path: tuple) -> str:
+    return ".".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def tree_shardings(rules: Rules, mesh: Mesh, shapes: Any, logical: Any) -> Any:
+    """NamedShardings for a pytree of arrays given a matching pytree of logical-name tuples."""
+    flat_logical = jax.tree_util.tree_leaves(logical, is_leaf=lambda x: isinstance(x, tuple))
+    flat_shapes, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    if len(flat_logical) != len(flat_shapes):
+        raise ShardingError(f"{len(flat_logical)} logical annotations for {len(flat_shapes)} arrays")
+    out = [NamedSharding(mesh, rules.spec(path_str(path), names, leaf.shape, mesh))
+           for (path, leaf), names in zip(flat_shapes, flat_logical)]
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shapes), out)
+
+
+# ------------------------------------------------------------------ activations
+
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("jaxtrain_activation_sharding", default=None)
+
+
+@contextlib.contextmanager
+def activation_sharding(rules: Rules, mesh: Mesh):
+    """While tracing inside this context, :func:`constrain` applies ``rules`` on ``mesh``."""
+    token = _ACTIVE.set((rules, mesh))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def constrain(x: jax.Array, *logical: Optional[str]) -> jax.Array:
+    """Sharding constraint by logical names, e.g. ``constrain(h, 'batch', 'length', 'embed')``.
+
+    A no-op when no :func:`activation_sharding` context is active (plain
+    single-device use of the model). Raises ShardingError like :meth:`Rules.spec`.
+    """
+    active = _ACTIVE.get()
+    if active is None:
+        return x
+    rules, mesh = active
+    spec = rules.spec(f"activation{logical}", logical, x.shape, mesh)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

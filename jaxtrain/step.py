@@ -1,0 +1,159 @@
+"""The train state, its sharded initialisation, and the one pure, jitted train step.
+
+State is a plain pytree ``{'params', 'opt_state', 'step', 'rng'}``. Parameters
+are created directly in their sharded layout (the init is jitted with
+``out_shardings``), so no device ever holds the whole model. The step is
+jitted once with explicit in/out shardings and donated state; the learning
+rate is computed from the traced step inside it, so nothing recompiles.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxtrain.config import Config
+from jaxtrain.models import Llama, LlamaConfig
+from jaxtrain.partitioning import Rules, activation_sharding, tree_shardings
+
+
+def llama_config(cfg: Config, vocab_size: int) -> LlamaConfig:
+    m = cfg.model
+    return LlamaConfig(vocab_size=vocab_size, d_model=m.d_model, n_layers=m.n_layers, n_heads=m.n_heads,
+                       n_kv_heads=m.n_kv_heads, d_ff=m.d_ff, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
+                       tie_embeddings=m.tie_embeddings, dtype=m.dtype, param_dtype=m.param_dtype,
+                       init_std=m.init_std)
+
+
+def lr_schedule(cfg: Config) -> optax.Schedule:
+    """Linear warmup to ``lr`` over ``warmup_steps``, then cosine to ``min_lr`` at ``decay_steps`` (1/s)."""
+    o = cfg.optimizer
+    base = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=o.lr, warmup_steps=o.warmup_steps,
+        decay_steps=max(cfg.decay_steps, o.warmup_steps + 1), end_value=o.min_lr)
+    # Step s (0-based) trains with base(s + 1), so the first step already moves (nanoGPT's get_lr).
+    return lambda count: base(count + 1)
+
+
+def optimizer(cfg: Config) -> optax.GradientTransformation:
+    """Global-norm clipping then AdamW (Loshchilov & Hutter 2019), decay on matrices only."""
+    o = cfg.optimizer
+    decay_mask = lambda params: jax.tree_util.tree_map(lambda p: p.ndim >= 2, params)  # noqa: E731
+    return optax.chain(
+        optax.clip_by_global_norm(o.clip_norm),
+        optax.adamw(lr_schedule(cfg), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
+                    mask=decay_mask))
+
+
+@dataclass
+class Trainer:
+    """Compiled functions and shardings for one (config, mesh, rules) triple."""
+
+    cfg: Config
+    mesh: Mesh
+    rules: Rules
+    graphdef: Any
+    state_shardings: Any
+    batch_sharding: NamedSharding
+    init: Callable  # () -> state
+    train_step: Callable  # (state, batch[accum, micro, T+1]) -> (state, metrics)
+    eval_step: Callable  # (params, batch[micro, T+1]) -> mean loss
+    logits_fn: Callable  # (params, tokens[1, T]) -> logits[1, T, vocab]
+
+
+def param_tree(abstract_params: nnx.State, fn: Callable[[nnx.Variable], Any]) -> dict:
+    """Nested pure dict (the layout of ``nnx.to_pure_dict``) of ``fn(variable)`` per parameter."""
+    out: dict = {}
+    for path, var in nnx.to_flat_state(abstract_params):
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = fn(var)
+    return out
+
+
+def logical_axes(var: nnx.Variable) -> tuple:
+    return tuple(var.get_metadata()["axes"])
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy. logits [b, t, vocab] f32, targets [b, t] int32."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def build(cfg: Config, mesh: Mesh, rules: Rules, vocab_size: int) -> Trainer:
+    """Resolves every sharding (raising ShardingError before any compile) and jits the functions."""
+    mcfg = llama_config(cfg, vocab_size)
+    tx = optimizer(cfg)
+    abstract = nnx.eval_shape(lambda: Llama(mcfg, nnx.Rngs(0)))
+    graphdef, abstract_params = nnx.split(abstract, nnx.Param)
+    param_sh = tree_shardings(rules, mesh, param_tree(abstract_params, lambda v: v.get_value()),
+                              param_tree(abstract_params, logical_axes))
+    replicated = NamedSharding(mesh, P())
+    tokens_spec = rules.spec("batch", ("batch", "length"), (cfg.micro_batch, cfg.data.seq_len + 1), mesh)
+    batch_sh = NamedSharding(mesh, P(None, *tokens_spec))
+    eval_sh = NamedSharding(mesh, tokens_spec)
+
+    def make_params(key):
+        model = Llama(mcfg, nnx.Rngs(params=key))
+        return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+    abstract_opt = jax.eval_shape(lambda: tx.init(jax.eval_shape(make_params, jax.random.key(0))))
+    opt_sh = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, param_sh,
+                                   transform_non_params=lambda _: replicated)
+    state_sh = {"params": param_sh, "opt_state": opt_sh, "step": replicated, "rng": replicated}
+
+    def init_fn():
+        key = jax.random.key(cfg.train.seed)
+        params = make_params(key)
+        return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32),
+                "rng": jax.random.key_data(jax.random.fold_in(key, 1))}
+
+    def model_of(params) -> Llama:
+        state = jax.tree_util.tree_map(lambda x: x, abstract_params)  # fresh Variables
+        nnx.replace_by_pure_dict(state, params)
+        return nnx.merge(graphdef, state)
+
+    def loss_fn(params, tokens):
+        return cross_entropy(model_of(params)(tokens[:, :-1]), tokens[:, 1:])
+
+    def step_fn(state, batch):
+        with activation_sharding(rules, mesh):
+            def micro(carry, tokens):
+                loss_sum, grad_sum = carry
+                loss, grads = jax.value_and_grad(loss_fn)(state["params"], tokens)
+                return (loss_sum + loss, jax.tree_util.tree_map(jnp.add, grad_sum, grads)), None
+
+            zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), state["params"])
+            (loss_sum, grad_sum), _ = jax.lax.scan(micro, (jnp.zeros((), jnp.float32), zeros), batch)
+            n = batch.shape[0]
+            loss = loss_sum / n
+            grads = jax.tree_util.tree_map(lambda g, p: (g / n).astype(p.dtype), grad_sum, state["params"])
+            grads = jax.lax.with_sharding_constraint(grads, param_sh)
+            updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+            params = optax.apply_updates(state["params"], updates)
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
+                   "lr": lr_schedule(cfg)(state["step"])}
+        new_state = {"params": params, "opt_state": opt_state, "step": state["step"] + 1, "rng": state["rng"]}
+        return new_state, metrics
+
+    def eval_fn(params, tokens):
+        with activation_sharding(rules, mesh):
+            return loss_fn(params, tokens)
+
+    def logits(params, tokens):
+        return model_of(params)(tokens)
+
+    return Trainer(
+        cfg=cfg, mesh=mesh, rules=rules, graphdef=graphdef, state_shardings=state_sh, batch_sharding=batch_sh,
+        init=jax.jit(init_fn, out_shardings=state_sh),
+        train_step=jax.jit(step_fn, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
+                           donate_argnums=(0,)),
+        eval_step=jax.jit(eval_fn, in_shardings=(param_sh, eval_sh), out_shardings=replicated),
+        logits_fn=jax.jit(logits, in_shardings=(param_sh, None)),
+    )

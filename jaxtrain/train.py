@@ -1,0 +1,187 @@
+"""``python -m jaxtrain.train [--config FILE | FILE] [key=value ...]``: train, checkpoint, resume.
+
+With no arguments it runs the built-in default job (a small Llama trained
+byte-level on this interpreter's standard library). Rerunning a command with
+the same ``run.dir`` resumes from the latest complete checkpoint: model,
+optimizer, step, RNG and data position.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+import jax
+import numpy as np
+
+from jaxtrain import checkpoint as ckptlib
+from jaxtrain import data as datalib
+from jaxtrain import flops, rundir, step as steplib, tokenizer as toklib
+from jaxtrain.config import Config, ConfigError, check_against_mesh, load
+from jaxtrain.mesh import build_mesh, describe, resolve_sizes
+from jaxtrain.models import count_params
+from jaxtrain.partitioning import Rules, ShardingError
+from jaxtrain.progress import Reporter
+from jaxtrain.sample import generate
+
+USER_ERRORS = (ConfigError, toklib.DataError, ShardingError, ckptlib.CheckpointError)
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    rows: list[dict] = field(default_factory=list)  # every metrics row written by this process
+    val_loss: Optional[float] = None
+    sample: str = ""
+    start_step: int = 0
+    compile_s: float = 0.0
+    state: object = None  # the final train state (for tests and notebooks)
+
+    @property
+    def losses(self) -> dict[int, float]:
+        return {r["step"]: r["loss"] for r in self.rows if "loss" in r}
+
+
+def evaluate(trainer: steplib.Trainer, params, batches: jax.Array) -> float:
+    """Mean validation loss over ``batches`` [n, micro, T+1] (one dispatch per batch, one sync)."""
+    losses = [trainer.eval_step(params, batches[i]) for i in range(batches.shape[0])]
+    return float(np.mean(jax.device_get(losses)))
+
+
+def run(cfg: Config, devices: Optional[Sequence[jax.Device]] = None, quiet: bool = False) -> RunResult:
+    """Trains ``cfg`` on ``devices`` (default: all). Validates everything before compiling.
+
+    Raises:
+      ConfigError, DataError, ShardingError, CheckpointError: bad input, with the key/path named.
+    """
+    devices = list(devices) if devices is not None else jax.devices()
+    check_against_mesh(cfg, resolve_sizes(cfg.mesh, len(devices)))
+    rules = Rules.load(cfg.sharding.rules, cfg.sharding.allow_fallback)
+    run_dir = Path(cfg.run.dir).expanduser()
+    saved_tok = toklib.load(run_dir) if run_dir.is_dir() else None
+    corpus = datalib.load_corpus(cfg, saved_tok)
+    vocab = cfg.model.vocab_size or corpus.tokenizer.vocab_size
+    if vocab < corpus.tokenizer.vocab_size:
+        raise ConfigError(f"model.vocab_size: {vocab} is smaller than the tokenizer's vocabulary "
+                          f"({corpus.tokenizer.vocab_size})")
+    mesh = build_mesh(cfg.mesh, devices)
+    trainer = steplib.build(cfg, mesh, rules, vocab)  # resolves every sharding: errors before compile
+    run_dir = rundir.prepare(cfg)
+    toklib.save(corpus.tokenizer, run_dir)
+    out = Reporter(quiet=quiet or not cfg.run.progress, total=cfg.train.steps)
+    if rules.fallbacks:
+        out.warn_table("sharding.allow_fallback replicated these dimensions", rules.fallbacks)
+
+    ckpt = ckptlib.Checkpointer(cfg, run_dir) if cfg.checkpoint.enabled else None
+    batches = datalib.BatchIterator(
+        datalib.train_dataset(corpus.train, cfg.data.seq_len, cfg.train.global_batch, cfg.data.seed),
+        cfg.train.grad_accum, trainer.batch_sharding)
+    latest = ckpt.latest_step() if ckpt else None
+    if latest is not None:
+        abstract = ckptlib.abstract_like(jax.eval_shape(trainer.init), trainer.state_shardings)
+        state, data_state = ckpt.restore(latest, abstract)
+        batches.set_state(data_state)
+        out.info(f"resumed from {ckpt.directory}/{latest}")
+    else:
+        state = trainer.init()
+    start = int(jax.device_get(state["step"]))
+    val = datalib.val_batches(corpus.val, cfg.data.seq_len, cfg.micro_batch, cfg.train.eval_batches, cfg.data.seed)
+    val = jax.device_put(val, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+        None, *trainer.batch_sharding.spec[1:])))
+
+    n_params = count_params(state["params"])
+    fpt = flops.flops_per_token(cfg, vocab)
+    peak, peak_src = flops.total_peak_flops(cfg, devices)
+    tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
+    out.info(f"mesh {describe(mesh)} | rules {rules.name} | params {n_params / 1e6:.2f}M | vocab {vocab} "
+             f"| {fpt / 1e6:.1f} MFLOP/token | peak {('%.1f TFLOP/s' % (peak / 1e12)) if peak else 'n/a'} "
+             f"({peak_src})")
+    result = RunResult(run_dir=run_dir, start_step=start)
+    metrics_out = rundir.MetricsWriter(run_dir)
+
+    def record(row: dict) -> None:
+        metrics_out.write(row)
+        result.rows.append(row)
+
+    compiled = None
+    with out.progress(start):
+        t_last, s_last = time.perf_counter(), start
+        for s in range(start + 1, cfg.train.steps + 1):
+            batch = next(batches)
+            if compiled is None:
+                t0 = time.perf_counter()
+                compiled = trainer.train_step.lower(state, batch).compile()
+                result.compile_s = time.perf_counter() - t0
+                out.info(f"compiled train step in {result.compile_s:.1f} s")
+                t_last = time.perf_counter()
+            state, m = compiled(state, batch)
+            if s % cfg.train.log_every == 0 or s == cfg.train.steps:
+                m = jax.device_get(m)  # the only host sync in the loop
+                now = time.perf_counter()
+                dt = (now - t_last) / (s - s_last)
+                tps = tokens_per_step / dt
+                row = {"step": s, "loss": float(m["loss"]), "lr": float(m["lr"]),
+                       "grad_norm": float(m["grad_norm"]), "tokens_per_sec": tps, "step_time_s": dt,
+                       "mfu": (tps * fpt / peak) if peak else None}
+                record(row)
+                out.log_train(row)
+                t_last, s_last = time.perf_counter(), s
+            if s % cfg.train.eval_every == 0 or s == cfg.train.steps:
+                record({"step": s, "val_loss": evaluate(trainer, state["params"], val)})
+                out.log_eval(result.rows[-1])
+            if ckpt:
+                ckpt.maybe_save(s, state, batches.get_state(), force=s == cfg.train.steps)
+            out.advance(s)
+    if ckpt:
+        ckpt.close()
+    evals = [r["val_loss"] for r in result.rows if "val_loss" in r]
+    result.val_loss = evals[-1] if evals else evaluate(trainer, state["params"], val)
+    prompt = corpus.tokenizer.encode(cfg.train.sample_prompt)
+    ids = generate(trainer.logits_fn, state["params"], prompt, cfg.train.sample_tokens, cfg.data.seq_len,
+                   cfg.train.sample_temperature, cfg.train.seed)
+    result.sample = corpus.tokenizer.decode(ids)
+    metrics_out.close()
+    result.state = state
+    out.final(result.val_loss, cfg.train.eval_batches, result.sample)
+    return result
+
+
+def parse_args(argv: Sequence[str]) -> tuple[Optional[str], list[str]]:
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxtrain.train",
+        description="Train a model. Overrides are dotted key=value pairs, e.g. train.steps=100 mesh.fsdp=8.")
+    parser.add_argument("--config", help="YAML config file or a name in configs/ (default: built-in job)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides (a leading FILE.yaml is the config)")
+    args = parser.parse_args(argv)
+    overrides = list(args.overrides)
+    config = args.config
+    if overrides and "=" not in overrides[0] and overrides[0].endswith((".yaml", ".yml")):
+        if config:
+            parser.error("give the config file once: positional or --config")
+        config = overrides.pop(0)
+    return config, overrides
+
+
+def enable_compilation_cache() -> None:
+    """JAX's persistent compilation cache (``JAX_COMPILATION_CACHE_DIR`` or ~/.cache/jaxtrain/xla)."""
+    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser("~/.cache/jaxtrain/xla"))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    config, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    enable_compilation_cache()
+    try:
+        run(load(config, overrides))
+    except USER_ERRORS as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

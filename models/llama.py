@@ -1,0 +1,171 @@
+"""Llama-style decoder in Flax NNX (Touvron et al. 2023, "LLaMA"; HF ``LlamaForCausalLM``).
+
+RMSNorm (Zhang & Sennrich 2019), rotary position embeddings (Su et al. 2021,
+HF "rotate_half" convention), grouped-query attention (Ainslie et al. 2023)
+and a SwiGLU MLP (Shazeer 2020). Every parameter carries its logical axis
+names in the ``axes`` metadata; activations are constrained by logical name at
+block boundaries. There is no mesh here: the trainer maps logical names to
+mesh axes through a rule set.
+
+Parameter layout (logical names):
+  embed.embedding        [vocab, embed]
+  layers.i.attn.wq       [embed, heads, kv]        wk/wv: [embed, kv_heads, kv]
+  layers.i.attn.wo       [heads, kv, embed]
+  layers.i.mlp.w_gate    [embed, mlp]   w_up: [embed, mlp]   w_down: [mlp, embed]
+  layers.i.attn_norm / mlp_norm.scale, final_norm.scale   [embed]
+  lm_head                [embed, vocab]  (absent when tie_embeddings)
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxtrain.partitioning import constrain
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 4
+    d_ff: int = 384
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    init_std: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+def _param(rngs: nnx.Rngs, shape, axes, std, dtype) -> nnx.Param:
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.dtype(dtype)), axes=axes)
+
+
+class RMSNorm(nnx.Module):
+    """y = x / sqrt(mean(x^2) + eps) * scale, computed in float32. x: [..., embed]."""
+
+    def __init__(self, cfg: LlamaConfig):
+        self.eps = cfg.norm_eps
+        self.scale = nnx.Param(jnp.ones((cfg.d_model,), jnp.dtype(cfg.param_dtype)), axes=("embed",))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding, HF rotate_half convention. x: [batch, length, heads, kv]; positions: [batch, length] int."""
+    half = x.shape[-1] // 2
+    inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [b, t, half]
+    cos = jnp.cos(jnp.concatenate([angles, angles], -1))[:, :, None, :]
+    sin = jnp.sin(jnp.concatenate([angles, angles], -1))[:, :, None, :]
+    x32 = x.astype(jnp.float32)
+    rot = jnp.concatenate([-x32[..., half:], x32[..., :half]], -1)
+    return (x32 * cos + rot * sin).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Causal grouped-query self-attention. [batch, length, embed] -> same."""
+
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        d, h, kvh, hd, pd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.param_dtype
+        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)  # GPT-2 residual scaling
+        self.wq = _param(rngs, (d, h, hd), ("embed", "heads", "kv"), cfg.init_std, pd)
+        self.wk = _param(rngs, (d, kvh, hd), ("embed", "kv_heads", "kv"), cfg.init_std, pd)
+        self.wv = _param(rngs, (d, kvh, hd), ("embed", "kv_heads", "kv"), cfg.init_std, pd)
+        self.wo = _param(rngs, (h, hd, d), ("heads", "kv", "embed"), out_std, pd)
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+        q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt))
+        k = jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dt))
+        v = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dt))
+        q = constrain(rotary(q, positions, cfg.rope_theta), "batch", "length", "heads", "kv")
+        k = constrain(rotary(k, positions, cfg.rope_theta), "batch", "length", "kv_heads", "kv")
+        v = constrain(v, "batch", "length", "kv_heads", "kv")
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+        out = constrain(out, "batch", "length", "heads", "kv")
+        return jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(dt))
+
+
+class MLP(nnx.Module):
+    """SwiGLU: w_down(silu(x w_gate) * (x w_up)). [batch, length, embed] -> same."""
+
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        self.dtype = jnp.dtype(cfg.dtype)
+        d, f, pd = cfg.d_model, cfg.d_ff, cfg.param_dtype
+        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        self.w_gate = _param(rngs, (d, f), ("embed", "mlp"), cfg.init_std, pd)
+        self.w_up = _param(rngs, (d, f), ("embed", "mlp"), cfg.init_std, pd)
+        self.w_down = _param(rngs, (f, d), ("mlp", "embed"), out_std, pd)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dt = self.dtype
+        gate = jax.nn.silu(x @ self.w_gate[...].astype(dt))
+        hidden = constrain(gate * (x @ self.w_up[...].astype(dt)), "batch", "length", "mlp")
+        return hidden @ self.w_down[...].astype(dt)
+
+
+class Block(nnx.Module):
+    """Pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(.))."""
+
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg)
+        self.attn = Attention(cfg, rngs)
+        self.mlp_norm = RMSNorm(cfg)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        x = x + self.attn(self.attn_norm(x), positions)
+        x = x + self.mlp(self.mlp_norm(x))
+        return constrain(x, "batch", "length", "embed")
+
+
+class Llama(nnx.Module):
+    """Decoder-only LM. tokens [batch, length] int32 -> logits [batch, length, vocab] float32."""
+
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        pd = cfg.param_dtype
+        self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, param_dtype=jnp.dtype(pd), rngs=rngs,
+                               embedding_init=nnx.initializers.normal(cfg.init_std))
+        self.embed.embedding.set_metadata(axes=("vocab", "embed"))
+        self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
+        self.final_norm = RMSNorm(cfg)
+        if not cfg.tie_embeddings:
+            self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std, pd)
+
+    def __call__(self, tokens: jax.Array, positions: Optional[jax.Array] = None) -> jax.Array:
+        dt = jnp.dtype(self.cfg.dtype)
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        # Gather the FSDP shards of the table before the lookup (as FSDP does for every
+        # weight); a lookup into an fsdp-sharded embed dim forces a full rematerialisation.
+        table = constrain(self.embed.embedding[...], "vocab", None)
+        x = constrain(table[tokens].astype(dt), "batch", "length", "embed")
+        for block in self.layers:
+            x = block(x, positions)
+        x = self.final_norm(x)
+        head = self.embed.embedding[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+        logits = (x @ head.astype(dt)).astype(jnp.float32)
+        return constrain(logits, "batch", "length", "vocab")
+
+
+def count_params(model_or_state) -> int:
+    """Number of parameters (elements of nnx.Param leaves)."""
+    state = nnx.state(model_or_state, nnx.Param) if isinstance(model_or_state, nnx.Module) else model_or_state
+    return sum(x.size for x in jax.tree_util.tree_leaves(state))

@@ -1,0 +1,44 @@
+"""Shared test set-up: 8 simulated CPU devices, the persistent compile cache, small configs."""
+import os
+import sys
+from pathlib import Path
+
+# Must happen before jax is imported anywhere.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+jax.config.update("jax_compilation_cache_dir",
+                  os.environ.get("JAX_COMPILATION_CACHE_DIR", str(REPO / ".jax_cache")))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+from jaxtrain import config as cfglib  # noqa: E402
+
+SHAKESPEARE = Path(os.environ.get("JAXTRAIN_SHARED", REPO.parent / "shared")) / "data" / "tinyshakespeare.txt"
+
+# A small model that still exercises every sharded dimension on a 2x2x2 mesh.
+SMALL = [
+    "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
+    "data.tokenizer=byte", "data.seq_len=32", "train.global_batch=8", "train.log_every=1",
+    "train.eval_every=1000", "train.eval_batches=2", "train.sample_tokens=8", "optimizer.warmup_steps=5",
+    "run.progress=false",
+]
+
+
+@pytest.fixture(scope="session")
+def corpus_path() -> str:
+    if not SHAKESPEARE.is_file():
+        pytest.fail(f"test corpus missing: {SHAKESPEARE} (set JAXTRAIN_SHARED to the shared/ folder)")
+    return str(SHAKESPEARE)
+
+
+@pytest.fixture
+def small_cfg(tmp_path, corpus_path):
+    """small_cfg('train.steps=5', ...) -> Config with the SMALL model, run dir in tmp_path."""
+    def make(*overrides: str, run_dir: str = "run"):
+        return cfglib.load(None, [*SMALL, f"data.path={corpus_path}", f"run.dir={tmp_path / run_dir}", *overrides])
+    return make

@@ -58,5 +58,6 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
 
 
 def describe(mesh: Mesh) -> str:
-    return " ".join(f"{a}={mesh.shape[a]}" for a in MESH_AXES) + f" ({mesh.devices.size} devices)"
+    n = mesh.devices.size
+    return " ".join(f"{a}={mesh.shape[a]}" for a in MESH_AXES) + f" ({n} device{'s' if n > 1 else ''})"
 

@@ -27,7 +27,7 @@ def llama_config(cfg: Config, vocab_size: int) -> LlamaConfig:
     return LlamaConfig(vocab_size=vocab_size, d_model=m.d_model, n_layers=m.n_layers, n_heads=m.n_heads,
                        n_kv_heads=m.n_kv_heads, d_ff=m.d_ff, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
                        tie_embeddings=m.tie_embeddings, dtype=m.dtype, param_dtype=m.param_dtype,
-                       init_std=m.init_std)
+                       init_std=m.init_std, attention=m.attention)
 
 
 def lr_schedule(cfg: Config) -> optax.Schedule:

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxtrain.models.attention import attention
 from jaxtrain.partitioning import constrain
 
 
@@ -42,6 +43,7 @@ class LlamaConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     init_std: float = 0.02
+    attention: str = "xla"  # see models/attention.py
 
     @property
     def head_dim(self) -> int:
@@ -89,7 +91,7 @@ class Attention(nnx.Module):
         self.wv = _param(rngs, (d, kvh, hd), ("embed", "kv_heads", "kv"), cfg.init_std, pd)
         self.wo = _param(rngs, (h, hd, d), ("heads", "kv", "embed"), out_std, pd)
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: Optional[jax.Array] = None) -> jax.Array:
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt))
         k = jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dt))
@@ -97,7 +99,7 @@ class Attention(nnx.Module):
         q = constrain(rotary(q, positions, cfg.rope_theta), "batch", "length", "heads", "kv")
         k = constrain(rotary(k, positions, cfg.rope_theta), "batch", "length", "kv_heads", "kv")
         v = constrain(v, "batch", "length", "kv_heads", "kv")
-        out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+        out = attention(q, k, v, segment_ids=segment_ids, implementation=cfg.attention)
         out = constrain(out, "batch", "length", "heads", "kv")
         return jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(dt))
 
@@ -129,8 +131,8 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        x = x + self.attn(self.attn_norm(x), positions)
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: Optional[jax.Array] = None) -> jax.Array:
+        x = x + self.attn(self.attn_norm(x), positions, segment_ids)
         x = x + self.mlp(self.mlp_norm(x))
         return constrain(x, "batch", "length", "embed")
 
@@ -149,7 +151,10 @@ class Llama(nnx.Module):
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std, pd)
 
-    def __call__(self, tokens: jax.Array, positions: Optional[jax.Array] = None) -> jax.Array:
+    def __call__(self, tokens: jax.Array, positions: Optional[jax.Array] = None,
+                 segment_ids: Optional[jax.Array] = None) -> jax.Array:
+        """tokens, positions, segment_ids: [batch, length] int32 (positions default to 0..length-1;
+        segment_ids restrict attention to tokens of the same packed document)."""
         dt = jnp.dtype(self.cfg.dtype)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
@@ -158,7 +163,7 @@ class Llama(nnx.Module):
         table = constrain(self.embed.embedding[...], "vocab", None)
         x = constrain(table[tokens].astype(dt), "batch", "length", "embed")
         for block in self.layers:
-            x = block(x, positions)
+            x = block(x, positions, segment_ids)
         x = self.final_norm(x)
         head = self.embed.embedding[...].T if self.cfg.tie_embeddings else self.lm_head[...]
         logits = (x @ head.astype(dt)).astype(jnp.float32)

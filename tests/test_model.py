@@ -81,3 +81,18 @@ def test_param_count_and_logical_axes():
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         axes = var.get_metadata()["axes"]
         assert len(axes) == var.get_value().ndim, path
+
+
+def test_segment_ids_isolate_documents():
+    cfg = LlamaConfig(vocab_size=20, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32, init_std=0.3)
+    model = Llama(cfg, nnx.Rngs(0))
+    seg = jnp.asarray([[0, 0, 0, 1, 1, 1, 1, 1]])
+    pos = jnp.asarray([[0, 1, 2, 0, 1, 2, 3, 4]])
+    a = np.array([[1, 2, 3, 4, 5, 6, 7, 8]])
+    b = a.copy()
+    b[0, 1] = 9  # change document 0 only
+    la, lb = (np.asarray(model(jnp.asarray(t), pos, seg)) for t in (a, b))
+    np.testing.assert_array_equal(la[0, 3:], lb[0, 3:])
+    # Document 1 packed after document 0 equals document 1 alone (positions restart).
+    alone = np.asarray(model(jnp.asarray(a[:, 3:])))
+    np.testing.assert_allclose(la[0, 3:], alone[0], rtol=1e-5, atol=1e-5)

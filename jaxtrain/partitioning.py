@@ -9,6 +9,10 @@ used by an earlier dimension of the same array wins: the T5X / flax-linen
 ``embed: [fsdp, null]`` a parameter [embed, mlp] gets fsdp on embed, while an
 activation [batch, length, embed] leaves embed replicated.
 
+A rule file may add an ``optimizer_rules:`` mapping with the same format: it
+overrides ``rules`` for the optimizer state only (ZeRO-1 keeps parameters
+replicated and shards the Adam moments; :meth:`Rules.for_optimizer`).
+
 Errors (all :class:`ShardingError`, naming array, dimension, size and axis):
   * a logical name with no rule;
   * no candidate left because every one uses an axis taken by another dim
@@ -50,6 +54,8 @@ class Rules:
     allow_fallback: bool = False
     fallbacks: list[str] = field(default_factory=list)  # report of replicated dims
 
+    optimizer_table: Optional[dict[str, list[Candidate]]] = None  # overrides for optimizer state
+
     @classmethod
     def load(cls, name_or_path: str, allow_fallback: bool = False) -> "Rules":
         """Reads ``sharding_rules/<name>.yaml`` (or a path). Raises ConfigError/ShardingError."""
@@ -60,24 +66,32 @@ class Rules:
             raise ConfigError(f"sharding.rules: {path}: invalid YAML: {err}") from None
         if not isinstance(raw, dict) or not isinstance(raw.get("rules"), dict):
             raise ConfigError(f"sharding.rules: {path}: expected a mapping with a 'rules' mapping")
-        table: dict[str, list[Candidate]] = {}
-        for logical, cands in raw["rules"].items():
-            if not isinstance(cands, list):
-                cands = [cands]
-            parsed: list[Candidate] = []
-            for cand in cands:
-                if cand is None:
-                    parsed.append(None)
-                    continue
-                axes = (cand,) if isinstance(cand, str) else tuple(cand)
-                for ax in axes:
-                    if ax not in MESH_AXES:
-                        raise ShardingError(
-                            f"rules '{path.stem}': logical name '{logical}' maps to mesh axis '{ax}', "
-                            f"which does not exist (mesh axes: {', '.join(MESH_AXES)})")
-                parsed.append(axes)
-            table[str(logical)] = parsed
-        return cls(path.stem, table, allow_fallback)
+        unknown = set(raw) - {"rules", "optimizer_rules"}
+        if unknown:
+            raise ConfigError(f"sharding.rules: {path}: unknown section(s) {', '.join(sorted(map(str, unknown)))} "
+                              f"(expected 'rules' and optionally 'optimizer_rules')")
+        opt = raw.get("optimizer_rules")
+        if opt is not None and not isinstance(opt, dict):
+            raise ConfigError(f"sharding.rules: {path}: 'optimizer_rules' must be a mapping")
+        return cls(path.stem, _parse_table(path.stem, raw["rules"]), allow_fallback,
+                   optimizer_table=_parse_table(path.stem, opt) if opt else None)
+
+    def for_optimizer(self) -> "Rules":
+        """The rules for optimizer state: ``optimizer_rules`` over ``rules`` (self if none).
+
+        The fallback report is shared with ``self``.
+        """
+        if not self.optimizer_table:
+            return self
+        return Rules(f"{self.name}[optimizer]", {**self.table, **self.optimizer_table}, self.allow_fallback,
+                     self.fallbacks)
+
+    def mesh_axes(self) -> set[str]:
+        """Mesh axes that some rule other than 'batch' names (the axes this rule set shards params
+        or activations over), plus those of the optimizer rules."""
+        tables = [self.table] + ([self.optimizer_table] if self.optimizer_table else [])
+        return {a for t in tables for name, cands in t.items() if name != "batch"
+                for c in cands if c for a in c}
 
     def spec(self, what: str, logical: Sequence[Optional[str]], shape: Sequence[int],
              mesh: Mesh) -> P:
@@ -94,7 +108,7 @@ class Rules:
         """
         if len(logical) != len(shape):
             raise ShardingError(f"{what}: {len(logical)} logical names {tuple(logical)} for shape {tuple(shape)}")
-        used: set[str] = set()
+        used: dict[str, int] = {}  # mesh axis -> the dimension that took it
         out: list[Any] = []
         for dim, (name, size) in enumerate(zip(logical, shape)):
             if name is None:
@@ -102,15 +116,15 @@ class Rules:
                 continue
             if name not in self.table:
                 raise ShardingError(
-                    f"{what}: dimension {dim} has logical name '{name}' with no rule in rule set "
+                    f"{what}: dimension {dim} ('{name}', size {size}) has no rule in rule set "
                     f"'{self.name}' (known: {', '.join(self.table)})")
             choice = _first_free(self.table[name], used)
             if choice is False:
-                taken = [a for c in self.table[name] if c for a in c if a in used]
+                taken = next(a for c in self.table[name] if c for a in c if a in used)
                 raise ShardingError(
-                    f"{what}: dimension {dim} ('{name}', size {size}): mesh axis '{taken[0]}' is already "
-                    f"used by another dimension of this array and rule set '{self.name}' gives no other "
-                    f"candidate (add null to replicate explicitly)")
+                    f"{what}: dimension {dim} ('{name}', size {size}): mesh axis '{taken}' is already "
+                    f"used by dimension {used[taken]} ('{logical[used[taken]]}') of this array and rule set "
+                    f"'{self.name}' gives no other candidate (add null to replicate explicitly)")
             if choice is None:
                 out.append(None)
                 continue
@@ -120,17 +134,42 @@ class Rules:
                        f"{'*'.join(choice)} = {ways}")
                 if not self.allow_fallback:
                     raise ShardingError(msg + " (set sharding.allow_fallback=true to replicate it)")
-                self.fallbacks.append(msg + " -> replicated")
+                if msg + " -> replicated" not in self.fallbacks:  # specs are re-derived on every trace
+                    self.fallbacks.append(msg + " -> replicated")
                 out.append(None)
                 continue
-            used.update(choice)
+            used.update(dict.fromkeys(choice, dim))
             out.append(choice[0] if len(choice) == 1 else choice)
         return P(*out)
 
 
-def _first_free(cands: list[Candidate], used: set[str]):
+def _parse_table(rules_name: str, raw: dict) -> dict[str, list[Candidate]]:
+    table: dict[str, list[Candidate]] = {}
+    for logical, cands in raw.items():
+        if not isinstance(cands, list):
+            cands = [cands]
+        parsed: list[Candidate] = []
+        for cand in cands:
+            if cand is None:
+                parsed.append(None)
+                continue
+            axes = (cand,) if isinstance(cand, str) else tuple(cand)
+            for ax in axes:
+                if ax not in MESH_AXES:
+                    raise ShardingError(
+                        f"rules '{rules_name}': logical name '{logical}' maps to mesh axis '{ax}', "
+                        f"which does not exist (mesh axes: {', '.join(MESH_AXES)})")
+            if len(set(axes)) != len(axes):
+                raise ShardingError(f"rules '{rules_name}': logical name '{logical}': candidate {list(axes)} "
+                                    f"names a mesh axis twice")
+            parsed.append(axes)
+        table[str(logical)] = parsed
+    return table
+
+
+def _first_free(cands: list[Candidate], used: dict[str, int]):
     for cand in cands:
-        if cand is None or not used.intersection(cand):
+        if cand is None or not used.keys() & set(cand):
             return cand
     return False
 

@@ -95,7 +95,8 @@ def build(cfg: Config, mesh: Mesh, rules: Rules, vocab_size: int) -> Trainer:
     param_sh = tree_shardings(rules, mesh, param_tree(abstract_params, lambda v: v.get_value()),
                               param_tree(abstract_params, logical_axes))
     replicated = NamedSharding(mesh, P())
-    tokens_spec = rules.spec("batch", ("batch", "length"), (cfg.micro_batch, cfg.data.seq_len + 1), mesh)
+    # Token windows [micro, T+1] are split by batch only (T+1 rarely divides a length split).
+    tokens_spec = rules.spec("batch", ("batch", None), (cfg.micro_batch, cfg.data.seq_len + 1), mesh)
     batch_sh = NamedSharding(mesh, P(None, *tokens_spec))
     eval_sh = NamedSharding(mesh, tokens_spec)
 
@@ -104,7 +105,11 @@ def build(cfg: Config, mesh: Mesh, rules: Rules, vocab_size: int) -> Trainer:
         return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
     abstract_opt = jax.eval_shape(lambda: tx.init(jax.eval_shape(make_params, jax.random.key(0))))
-    opt_sh = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, param_sh,
+    opt_rules = rules.for_optimizer()  # e.g. zero1: params replicated, moments sharded
+    opt_param_sh = param_sh if opt_rules is rules else tree_shardings(
+        opt_rules, mesh, param_tree(abstract_params, lambda v: v.get_value()),
+        param_tree(abstract_params, logical_axes))
+    opt_sh = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, opt_param_sh,
                                    transform_non_params=lambda _: replicated)
     state_sh = {"params": param_sh, "opt_state": opt_sh, "step": replicated, "rng": replicated}
 

@@ -4,7 +4,10 @@ RMSNorm (Zhang & Sennrich 2019), rotary position embeddings (Su et al. 2021,
 HF "rotate_half" convention), grouped-query attention (Ainslie et al. 2023)
 and a SwiGLU MLP (Shazeer 2020). Every parameter carries its logical axis
 names in the ``axes`` metadata; activations are constrained by logical name at
-block boundaries. There is no mesh here: the trainer maps logical names to
+block boundaries: the residual stream is [batch, residual_length, embed], keys and
+values [batch, kv_length, kv_heads, kv], other activations use 'length' (distinct names
+let a rule set split the residual stream by length, as sequence parallelism does, while
+attention sees the whole sequence). There is no mesh here: the trainer maps logical names to
 mesh axes through a rule set.
 
 Parameter layout (logical names):
@@ -97,8 +100,9 @@ class Attention(nnx.Module):
         k = jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dt))
         v = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dt))
         q = constrain(rotary(q, positions, cfg.rope_theta), "batch", "length", "heads", "kv")
-        k = constrain(rotary(k, positions, cfg.rope_theta), "batch", "length", "kv_heads", "kv")
-        v = constrain(v, "batch", "length", "kv_heads", "kv")
+        # K/V get their own length name: sequence parallelism gathers them over the full length.
+        k = constrain(rotary(k, positions, cfg.rope_theta), "batch", "kv_length", "kv_heads", "kv")
+        v = constrain(v, "batch", "kv_length", "kv_heads", "kv")
         out = attention(q, k, v, segment_ids=segment_ids, implementation=cfg.attention)
         out = constrain(out, "batch", "length", "heads", "kv")
         return jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(dt))
@@ -134,7 +138,7 @@ class Block(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: Optional[jax.Array] = None) -> jax.Array:
         x = x + self.attn(self.attn_norm(x), positions, segment_ids)
         x = x + self.mlp(self.mlp_norm(x))
-        return constrain(x, "batch", "length", "embed")
+        return constrain(x, "batch", "residual_length", "embed")
 
 
 class Llama(nnx.Module):
@@ -161,7 +165,7 @@ class Llama(nnx.Module):
         # Gather the FSDP shards of the table before the lookup (as FSDP does for every
         # weight); a lookup into an fsdp-sharded embed dim forces a full rematerialisation.
         table = constrain(self.embed.embedding[...], "vocab", None)
-        x = constrain(table[tokens].astype(dt), "batch", "length", "embed")
+        x = constrain(table[tokens].astype(dt), "batch", "residual_length", "embed")
         for block in self.layers:
             x = block(x, positions, segment_ids)
         x = self.final_norm(x)

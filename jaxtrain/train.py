@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxtrain import checkpoint as ckptlib
 from jaxtrain import data as datalib
-from jaxtrain import flops, rundir, step as steplib, tokenizer as toklib
+from jaxtrain import flops, memory, rundir, step as steplib, tokenizer as toklib
 from jaxtrain.config import Config, ConfigError, check_against_mesh, load
 from jaxtrain.mesh import build_mesh, describe, resolve_sizes
 from jaxtrain.models import count_params
@@ -73,8 +73,6 @@ def run(cfg: Config, devices: Optional[Sequence[jax.Device]] = None, quiet: bool
     run_dir = rundir.prepare(cfg)
     toklib.save(corpus.tokenizer, run_dir)
     out = Reporter(quiet=quiet or not cfg.run.progress, total=cfg.train.steps)
-    if rules.fallbacks:
-        out.warn_table("sharding.allow_fallback replicated these dimensions", rules.fallbacks)
 
     ckpt = ckptlib.Checkpointer(cfg, run_dir) if cfg.checkpoint.enabled else None
     batches = datalib.BatchIterator(
@@ -117,6 +115,9 @@ def run(cfg: Config, devices: Optional[Sequence[jax.Device]] = None, quiet: bool
                 compiled = trainer.train_step.lower(state, batch).compile()
                 result.compile_s = time.perf_counter() - t0
                 out.info(f"compiled train step in {result.compile_s:.1f} s")
+                out.info(memory.state_report(state, trainer.state_shardings, compiled).summary())
+                if rules.fallbacks:  # after tracing, so activation fallbacks are listed too
+                    out.warn_table("sharding.allow_fallback replicated these dimensions", rules.fallbacks)
                 t_last = time.perf_counter()
             state, m = compiled(state, batch)
             if s % cfg.train.log_every == 0 or s == cfg.train.steps:

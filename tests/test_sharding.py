@@ -33,9 +33,19 @@ def test_axis_used_twice_without_alternative_is_named_error(mesh222):
     r = Rules("t", {"mlp": [("tensor",)], "vocab": [("tensor",)]})
     with pytest.raises(ShardingError) as e:
         r.spec("w", ("mlp", "vocab"), (8, 8), mesh222)
-    assert str(e.value) == ("w: dimension 1 ('vocab', size 8): mesh axis 'tensor' is already used by another "
-                            "dimension of this array and rule set 't' gives no other candidate (add null to "
+    assert str(e.value) == ("w: dimension 1 ('vocab', size 8): mesh axis 'tensor' is already used by dimension 0 "
+                            "('mlp') of this array and rule set 't' gives no other candidate (add null to "
                             "replicate explicitly)")
+
+
+def test_two_dims_want_the_same_axis_first_dim_wins(mesh222):
+    # Both names prefer tensor; whichever dimension comes first takes it, the other falls through.
+    r = Rules("t", {"mlp": [("tensor",), ("fsdp",)], "vocab": [("tensor",), None]})
+    assert r.spec("a", ("mlp", "vocab"), (8, 8), mesh222) == P("tensor", None)
+    assert r.spec("b", ("vocab", "mlp"), (8, 8), mesh222) == P("tensor", "fsdp")
+    # A multi-axis candidate counts as used if any of its axes is taken.
+    r2 = Rules("t", {"batch": [("data", "fsdp")], "embed": [("fsdp", "tensor"), ("tensor",)]})
+    assert r2.spec("c", ("batch", "embed"), (8, 8), mesh222) == P(("data", "fsdp"), "tensor")
 
 
 def test_indivisible_dimension_is_named_error(rules, mesh222):
@@ -53,9 +63,9 @@ def test_fallback_only_when_asked_and_reported(mesh222):
 
 
 def test_logical_name_without_rule(rules, mesh222):
-    with pytest.raises(ShardingError, match=r"^w: dimension 0 has logical name 'exp' with no rule in rule set "
-                                            r"'fsdp_tp'"):
-        rules.spec("w", ("exp", "embed"), (8, 64), mesh222)
+    with pytest.raises(ShardingError, match=r"^w: dimension 0 \('experts', size 8\) has no rule in rule set "
+                                            r"'fsdp_tp' \(known: batch, length, "):
+        rules.spec("w", ("experts", "embed"), (8, 64), mesh222)
 
 
 def test_rules_file_with_unknown_mesh_axis(tmp_path):

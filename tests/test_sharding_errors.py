@@ -1,0 +1,88 @@
+"""Named errors instead of silent replication, raised before anything is compiled."""
+import jax
+import pytest
+
+from jaxtrain import config as cfglib
+from jaxtrain import step as steplib
+from jaxtrain.config import ConfigError
+from jaxtrain.mesh import build_mesh
+from jaxtrain.partitioning import Rules, ShardingError
+from jaxtrain.progress import Reporter
+
+from conftest import SMALL
+
+
+def build(rules: str, *overrides: str, vocab: int = 256, allow_fallback: bool = False):
+    cfg = cfglib.load(None, [*SMALL, *overrides, f"sharding.rules={rules}"])
+    return steplib.build(cfg, build_mesh(cfg.mesh), Rules.load(rules, allow_fallback), vocab)
+
+
+def test_vocab_17_over_tensor_8_is_named_not_replicated():
+    # jit alone would silently replicate this table; the rules refuse before any compile.
+    with pytest.raises(ShardingError) as e:
+        build("tp", "mesh.data=1", "mesh.tensor=8", "model.n_heads=8", "model.n_kv_heads=8", vocab=17)
+    assert str(e.value) == ("embed.embedding: dimension 0 ('vocab', size 17) is not divisible by mesh axis "
+                            "tensor = 8 (set sharding.allow_fallback=true to replicate it)")
+
+
+def test_indivisible_activation_is_named_at_trace_time():
+    trainer = build("sp", "mesh.data=2", "mesh.sequence=4", "data.seq_len=30")
+    abstract = jax.eval_shape(trainer.init)
+    batch = jax.ShapeDtypeStruct((1, 8, 31), jax.numpy.int32, sharding=trainer.batch_sharding)
+    with pytest.raises(ShardingError) as e:
+        trainer.train_step.lower(abstract, batch)  # tracing only: nothing is compiled
+    assert str(e.value) == ("activation('batch', 'residual_length', 'embed'): dimension 1 ('residual_length', "
+                            "size 30) is not divisible by mesh axis sequence = 4 (set sharding.allow_fallback=true "
+                            "to replicate it)")
+
+
+def test_fallback_replicates_and_reports_every_dimension(capsys):
+    trainer = build("fsdp_tp", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", vocab=65, allow_fallback=True)
+    assert trainer.state_shardings["params"]["embed"]["embedding"].spec == jax.sharding.PartitionSpec(None, "fsdp")
+    abstract = jax.eval_shape(trainer.init)
+    batch = jax.ShapeDtypeStruct((1, 8, 33), jax.numpy.int32, sharding=trainer.batch_sharding)
+    trainer.train_step.lower(abstract, batch)
+    why = "('vocab', size 65) is not divisible by mesh axis tensor = 2 -> replicated"
+    assert trainer.rules.fallbacks == [
+        f"embed.embedding: dimension 0 {why}",
+        f"lm_head: dimension 1 {why}",
+        f"activation('vocab', None): dimension 0 {why}",
+        f"activation('batch', 'length', 'vocab'): dimension 2 {why}",
+    ]
+    Reporter(quiet=True, total=1).warn_table("sharding.allow_fallback replicated these dimensions",
+                                             trainer.rules.fallbacks)
+    out = capsys.readouterr().out
+    assert "warning: sharding.allow_fallback replicated these dimensions" in out
+    assert "lm_head: dimension 1 ('vocab', size 65)" in out
+
+
+def test_rules_candidate_naming_an_axis_twice(tmp_path):
+    f = tmp_path / "twice.yaml"
+    f.write_text("rules:\n  batch: [[data, data]]\n")
+    with pytest.raises(ShardingError) as e:
+        Rules.load(str(f))
+    assert str(e.value) == "rules 'twice': logical name 'batch': candidate ['data', 'data'] names a mesh axis twice"
+
+
+def test_rules_file_unknown_section(tmp_path):
+    f = tmp_path / "extra.yaml"
+    f.write_text("rules:\n  batch: [data]\noptimiser_rules:\n  embed: [data]\n")
+    with pytest.raises(ConfigError, match=r"unknown section\(s\) optimiser_rules \(expected 'rules' and "
+                                          r"optionally 'optimizer_rules'\)$"):
+        Rules.load(str(f))
+
+
+def test_optimizer_rules_override_only_the_optimizer_state():
+    rules = Rules.load("zero1")
+    assert rules.table["embed"] == [None]
+    assert rules.for_optimizer().table["embed"] == [("data",), None]
+    assert rules.for_optimizer().table["mlp"] == rules.table["mlp"]
+    assert Rules.load("dp").for_optimizer().name == "dp"
+
+
+@pytest.mark.parametrize("name", ["dp", "fsdp", "zero1", "tp", "fsdp_tp", "sp", "ep"])
+def test_every_rule_set_names_every_logical_axis(name):
+    names = {"batch", "length", "residual_length", "kv_length", "embed", "vocab", "heads", "kv_heads", "kv",
+             "mlp", "exp", "layers"}
+    assert set(Rules.load(name).table) == names
+    assert Rules.load(name).table["layers"] == [None]

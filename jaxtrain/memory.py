@@ -10,8 +10,8 @@ Which bytes are counted (all per device, in bytes):
     dtype, plus the int32 step counters), as sharded;
   * from ``compiled.memory_analysis()``: ``argument`` (inputs: state + batch), ``output``,
     ``alias`` (outputs that reuse donated inputs), ``temp`` (activations and other XLA
-    temporaries) and ``peak`` (XLA's buffer-assignment peak where the backend reports it,
-    else argument + output - alias + temp).
+    temporaries) and ``peak``: argument + output - alias + temp, the program's whole
+    allocation (or XLA's own peak figure if larger; on CPU that one leaves out temporaries).
 
 The yardstick is the ZeRO paper's table (Rajbhandari et al. 2020, section 3.1): mixed-
 precision Adam keeps 16 bytes per parameter (2 fp16 params + 2 fp16 grads + 12 for the fp32
@@ -56,8 +56,9 @@ def compiled_bytes(compiled: Any) -> dict[str, int]:
     m = compiled.memory_analysis()
     out = {"argument": int(m.argument_size_in_bytes), "output": int(m.output_size_in_bytes),
            "alias": int(m.alias_size_in_bytes), "temp": int(m.temp_size_in_bytes)}
-    peak = int(getattr(m, "peak_memory_in_bytes", 0) or 0)
-    out["peak"] = peak or out["argument"] + out["output"] - out["alias"] + out["temp"]
+    # XLA's own peak (where reported) can leave out temporaries, as on CPU; take the larger.
+    out["peak"] = max(int(getattr(m, "peak_memory_in_bytes", 0) or 0),
+                      out["argument"] + out["output"] - out["alias"] + out["temp"])
     return out
 
 

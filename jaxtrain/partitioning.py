@@ -19,7 +19,8 @@ Errors (all :class:`ShardingError`, naming array, dimension, size and axis):
     (the "axis used twice" case) and no explicit ``null`` candidate follows;
   * a dimension not divisible by the product of its mesh axes (unless
     ``allow_fallback``, which replicates that dim and records it in a report);
-  * a rules file naming a mesh axis that does not exist.
+  * a rules file naming a mesh axis that does not exist, or one axis twice in
+    a candidate.
 
 Model code uses only :func:`constrain`, which is a no-op outside
 :func:`activation_sharding`; it never sees a mesh.
@@ -53,7 +54,6 @@ class Rules:
     table: dict[str, list[Candidate]]
     allow_fallback: bool = False
     fallbacks: list[str] = field(default_factory=list)  # report of replicated dims
-
     optimizer_table: Optional[dict[str, list[Candidate]]] = None  # overrides for optimizer state
 
     @classmethod

@@ -64,11 +64,23 @@ class ShardingConfig(_Section):
 
 
 class DataConfig(_Section):
-    path: str = "stdlib"  # file, glob, or 'stdlib' (the interpreter's Lib/*.py)
-    tokenizer: Literal["char", "byte"] = "byte"
+    path: str = "stdlib"  # file, glob, 'stdlib' (the interpreter's Lib/*.py), or a prepared token cache
+    tokenizer: Literal["char", "byte", "hf", "sentencepiece"] = "byte"
     seq_len: int = 128
     val_fraction: float = 0.1
     seed: int = 0
+    # windows: random windows over the concatenated files; packed/padded: documents (jaxtrain/data/)
+    mode: Literal["windows", "packed", "padded"] = "windows"
+    format: Literal["auto", "text", "jsonl", "parquet", "arrayrecord"] = "auto"  # auto: by extension
+    text_field: str = "text"  # JSONL field / Parquet column holding the document
+    separator: Optional[str] = None  # text files: split into documents on this string (None: one per file)
+    mixture: dict[str, float] = {}  # {path: weight}; replaces data.path (document modes only)
+    tokenizer_path: str = ""  # local tokenizer.json (hf) or .model (sentencepiece); never downloaded
+    add_bos: bool = False
+    add_eos: bool = False
+    bos_token: str = ""  # "" = the tokenizer's usual name (<s>, <|begin_of_text|>, ...)
+    eos_token: str = ""
+    prefetch: int = 4  # batches assembled ahead by Grain threads (document modes)
 
 
 class OptimizerConfig(_Section):
@@ -166,6 +178,15 @@ def check_consistency(cfg: Config) -> None:
             f"train.global_batch: {t.global_batch} is not divisible by train.grad_accum={t.grad_accum}")
     if not 0.0 < cfg.data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction: must be in (0, 1), got {cfg.data.val_fraction}")
+    if cfg.data.mixture and cfg.data.mode == "windows":
+        raise ConfigError("data.mixture: needs data.mode=packed or padded (windows reads one data.path)")
+    for key, w in cfg.data.mixture.items():
+        if w <= 0:
+            raise ConfigError(f"data.mixture: weight of '{key}' must be > 0, got {w}")
+    if cfg.data.tokenizer in ("hf", "sentencepiece") and not cfg.data.tokenizer_path:
+        raise ConfigError(f"data.tokenizer_path: data.tokenizer={cfg.data.tokenizer} needs a local tokenizer file")
+    if (cfg.data.add_bos or cfg.data.add_eos) and cfg.data.mode == "windows":
+        raise ConfigError("data.add_bos: BOS/EOS are added per document: use data.mode=packed or padded")
     sizes = [getattr(cfg.mesh, a) for a in MESH_AXES]
     if sum(s == -1 for s in sizes) > 1:
         raise ConfigError("mesh: at most one axis may be -1, got " + _mesh_str(cfg.mesh))

@@ -59,10 +59,10 @@ class Trainer:
     rules: Rules
     graphdef: Any
     state_shardings: Any
-    batch_sharding: NamedSharding
+    batch_sharding: NamedSharding  # of every [accum, micro, T] array of a batch dict
     init: Callable  # () -> state
-    train_step: Callable  # (state, batch[accum, micro, T+1]) -> (state, metrics)
-    eval_step: Callable  # (params, batch[micro, T+1]) -> mean loss
+    train_step: Callable  # (state, {field: [accum, micro, T]}) -> (state, metrics); or [accum, micro, T+1] windows
+    eval_step: Callable  # (params, {field: [micro, T]}) -> mean loss over loss_mask
     logits_fn: Callable  # (params, tokens[1, T]) -> logits[1, T, vocab]
 
 
@@ -86,6 +86,22 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
+def masked_cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array, denom: jax.Array) -> jax.Array:
+    """sum(cross-entropy * mask) / denom. logits [b, t, vocab] f32; targets, mask [b, t] int32; denom f32."""
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    return (ce * mask.astype(ce.dtype)).sum() / denom
+
+
+def as_batch(batch) -> dict:
+    """A batch dict (jaxtrain.data.packing.FIELDS, [..., T]) from itself or from [..., T + 1] token windows."""
+    if isinstance(batch, dict):
+        return batch
+    inputs = batch[..., :-1]
+    ones = jnp.ones_like(inputs)
+    return {"inputs": inputs, "targets": batch[..., 1:], "loss_mask": ones, "segment_ids": ones,
+            "positions": jnp.broadcast_to(jnp.arange(inputs.shape[-1], dtype=inputs.dtype), inputs.shape)}
+
+
 def build(cfg: Config, mesh: Mesh, rules: Rules, vocab_size: int) -> Trainer:
     """Resolves every sharding (raising ShardingError before any compile) and jits the functions."""
     mcfg = llama_config(cfg, vocab_size)
@@ -95,8 +111,9 @@ def build(cfg: Config, mesh: Mesh, rules: Rules, vocab_size: int) -> Trainer:
     param_sh = tree_shardings(rules, mesh, param_tree(abstract_params, lambda v: v.get_value()),
                               param_tree(abstract_params, logical_axes))
     replicated = NamedSharding(mesh, P())
-    # Token windows [micro, T+1] are split by batch only (T+1 rarely divides a length split).
-    tokens_spec = rules.spec("batch", ("batch", None), (cfg.micro_batch, cfg.data.seq_len + 1), mesh)
+    # Batch arrays [micro, T] are split by batch only (as the token windows were before them).
+    tokens_spec = rules.spec("batch", ("batch", None), (cfg.micro_batch, cfg.data.seq_len), mesh)
+    packed = cfg.data.mode != "windows"
     batch_sh = NamedSharding(mesh, P(None, *tokens_spec))
     eval_sh = NamedSharding(mesh, tokens_spec)
 
@@ -124,21 +141,29 @@ def build(cfg: Config, mesh: Mesh, rules: Rules, vocab_size: int) -> Trainer:
         nnx.replace_by_pure_dict(state, params)
         return nnx.merge(graphdef, state)
 
-    def loss_fn(params, tokens):
-        return cross_entropy(model_of(params)(tokens[:, :-1]), tokens[:, 1:])
+    def forward_loss(params, b, denom):
+        """sum(cross-entropy * loss_mask) / denom for one micro-batch dict of [micro, T] arrays."""
+        model = model_of(params)
+        if packed:  # windows are one segment at positions 0..T-1: the model's defaults, no mask op
+            logits = model(b["inputs"], positions=b["positions"], segment_ids=b["segment_ids"])
+        else:
+            logits = model(b["inputs"])
+        return masked_cross_entropy(logits, b["targets"], b["loss_mask"], denom)
 
     def step_fn(state, batch):
+        batch = as_batch(batch)
+        # Normalise by the token count of the whole step, so that accumulating micro-batches with
+        # different numbers of real tokens gives exactly the full-batch gradient.
+        denom = jnp.maximum(batch["loss_mask"].sum(), 1).astype(jnp.float32)
         with activation_sharding(rules, mesh):
-            def micro(carry, tokens):
+            def micro(carry, b):
                 loss_sum, grad_sum = carry
-                loss, grads = jax.value_and_grad(loss_fn)(state["params"], tokens)
+                loss, grads = jax.value_and_grad(forward_loss)(state["params"], b, denom)
                 return (loss_sum + loss, jax.tree_util.tree_map(jnp.add, grad_sum, grads)), None
 
             zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), state["params"])
-            (loss_sum, grad_sum), _ = jax.lax.scan(micro, (jnp.zeros((), jnp.float32), zeros), batch)
-            n = batch.shape[0]
-            loss = loss_sum / n
-            grads = jax.tree_util.tree_map(lambda g, p: (g / n).astype(p.dtype), grad_sum, state["params"])
+            (loss, grad_sum), _ = jax.lax.scan(micro, (jnp.zeros((), jnp.float32), zeros), batch)
+            grads = jax.tree_util.tree_map(lambda g, p: g.astype(p.dtype), grad_sum, state["params"])
             grads = jax.lax.with_sharding_constraint(grads, param_sh)
             updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
             params = optax.apply_updates(state["params"], updates)
@@ -147,9 +172,10 @@ def build(cfg: Config, mesh: Mesh, rules: Rules, vocab_size: int) -> Trainer:
         new_state = {"params": params, "opt_state": opt_state, "step": state["step"] + 1, "rng": state["rng"]}
         return new_state, metrics
 
-    def eval_fn(params, tokens):
+    def eval_fn(params, batch):
+        batch = as_batch(batch)
         with activation_sharding(rules, mesh):
-            return loss_fn(params, tokens)
+            return forward_loss(params, batch, jnp.maximum(batch["loss_mask"].sum(), 1).astype(jnp.float32))
 
     def logits(params, tokens):
         return model_of(params)(tokens)

@@ -46,10 +46,14 @@ class RunResult:
         return {r["step"]: r["loss"] for r in self.rows if "loss" in r}
 
 
-def evaluate(trainer: steplib.Trainer, params, batches: jax.Array) -> float:
-    """Mean validation loss over ``batches`` [n, micro, T+1] (one dispatch per batch, one sync)."""
-    losses = [trainer.eval_step(params, batches[i]) for i in range(batches.shape[0])]
-    return float(np.mean(jax.device_get(losses)))
+def evaluate(trainer: steplib.Trainer, params, batches: dict, counts: Optional[np.ndarray] = None) -> float:
+    """Mean validation loss over ``batches`` ({field: [n, micro, T]}; one dispatch per batch, one sync),
+    each batch weighted by ``counts`` [n] (its loss-mask tokens) when they differ."""
+    n = batches["inputs"].shape[0]
+    losses = jax.device_get([trainer.eval_step(params, {k: v[i] for k, v in batches.items()}) for i in range(n)])
+    if counts is None or (counts == counts[0]).all():
+        return float(np.mean(losses))
+    return float(np.average(np.asarray(losses, np.float64), weights=counts))
 
 
 def run(cfg: Config, devices: Optional[Sequence[jax.Device]] = None, quiet: bool = False) -> RunResult:
@@ -62,8 +66,8 @@ def run(cfg: Config, devices: Optional[Sequence[jax.Device]] = None, quiet: bool
     check_against_mesh(cfg, resolve_sizes(cfg.mesh, len(devices)))
     rules = Rules.load(cfg.sharding.rules, cfg.sharding.allow_fallback)
     run_dir = Path(cfg.run.dir).expanduser()
-    saved_tok = toklib.load(run_dir) if run_dir.is_dir() else None
-    corpus = datalib.load_corpus(cfg, saved_tok)
+    saved_tok = toklib.load_json(run_dir) if run_dir.is_dir() else None
+    corpus = datalib.load(cfg, saved_tok)
     vocab = cfg.model.vocab_size or corpus.tokenizer.vocab_size
     if vocab < corpus.tokenizer.vocab_size:
         raise ConfigError(f"model.vocab_size: {vocab} is smaller than the tokenizer's vocabulary "
@@ -73,11 +77,11 @@ def run(cfg: Config, devices: Optional[Sequence[jax.Device]] = None, quiet: bool
     run_dir = rundir.prepare(cfg)
     toklib.save(corpus.tokenizer, run_dir)
     out = Reporter(quiet=quiet or not cfg.run.progress, total=cfg.train.steps)
+    for line in corpus.info:
+        out.info(line)
 
     ckpt = ckptlib.Checkpointer(cfg, run_dir) if cfg.checkpoint.enabled else None
-    batches = datalib.BatchIterator(
-        datalib.train_dataset(corpus.train, cfg.data.seq_len, cfg.train.global_batch, cfg.data.seed),
-        cfg.train.grad_accum, trainer.batch_sharding)
+    batches = corpus.iterator(trainer.batch_sharding)
     latest = ckpt.latest_step() if ckpt else None
     if latest is not None:
         abstract = ckptlib.abstract_like(jax.eval_shape(trainer.init), trainer.state_shardings)
@@ -87,8 +91,8 @@ def run(cfg: Config, devices: Optional[Sequence[jax.Device]] = None, quiet: bool
     else:
         state = trainer.init()
     start = int(jax.device_get(state["step"]))
-    val = datalib.val_batches(corpus.val, cfg.data.seq_len, cfg.micro_batch, cfg.train.eval_batches, cfg.data.seed)
-    val = jax.device_put(val, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+    val_counts = corpus.val["loss_mask"].sum(axis=(1, 2))
+    val = jax.device_put(corpus.val, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
         None, *trainer.batch_sharding.spec[1:])))
 
     n_params = count_params(state["params"])
@@ -132,7 +136,7 @@ def run(cfg: Config, devices: Optional[Sequence[jax.Device]] = None, quiet: bool
                 out.log_train(row)
                 t_last, s_last = time.perf_counter(), s
             if s % cfg.train.eval_every == 0 or s == cfg.train.steps:
-                record({"step": s, "val_loss": evaluate(trainer, state["params"], val)})
+                record({"step": s, "val_loss": evaluate(trainer, state["params"], val, val_counts)})
                 out.log_eval(result.rows[-1])
             if ckpt:
                 ckpt.maybe_save(s, state, batches.get_state(), force=s == cfg.train.steps)
@@ -140,14 +144,14 @@ def run(cfg: Config, devices: Optional[Sequence[jax.Device]] = None, quiet: bool
     if ckpt:
         ckpt.close()
     evals = [r["val_loss"] for r in result.rows if "val_loss" in r]
-    result.val_loss = evals[-1] if evals else evaluate(trainer, state["params"], val)
+    result.val_loss = evals[-1] if evals else evaluate(trainer, state["params"], val, val_counts)
     prompt = corpus.tokenizer.encode(cfg.train.sample_prompt)
     ids = generate(trainer.logits_fn, state["params"], prompt, cfg.train.sample_tokens, cfg.data.seq_len,
                    cfg.train.sample_temperature, cfg.train.seed)
     result.sample = corpus.tokenizer.decode(ids)
     metrics_out.close()
     result.state = state
-    out.final(result.val_loss, cfg.train.eval_batches, result.sample)
+    out.final(result.val_loss, int(corpus.val["inputs"].shape[0]), result.sample)
     return result
 
 

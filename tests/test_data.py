@@ -62,12 +62,16 @@ def test_iterator_resumes_at_the_same_batch():
     for _ in range(3):
         next(it)
     state = it.get_state()
-    want = np.asarray(next(it))
+    want = {k: np.asarray(v) for k, v in next(it).items()}
     it2 = datalib.BatchIterator(ds, grad_accum=2, sharding=sharding)
     it2.set_state(state)
     got = next(it2)
-    assert got.shape == (2, 8, 9) and got.sharding.spec == P(None, ("data", "fsdp", "expert"), None)
-    np.testing.assert_array_equal(np.asarray(got), want)
+    assert set(got) == {"inputs", "targets", "positions", "segment_ids", "loss_mask"}
+    for k, v in got.items():
+        assert v.shape == (2, 8, 8) and v.sharding.spec == P(None, ("data", "fsdp", "expert"), None), k
+        np.testing.assert_array_equal(np.asarray(v), want[k])
+    np.testing.assert_array_equal(want["targets"][..., :-1], want["inputs"][..., 1:])  # windows: shifted by one
+    assert (want["loss_mask"] == 1).all() and (want["positions"] == np.arange(8)).all()
 
 
 def test_val_batches_are_windows_of_val_tokens():

@@ -1,4 +1,4 @@
-"""Text corpus -> tokenized train/validation splits -> Grain batches on the mesh.
+"""data.mode=windows: text corpus -> tokenized train/validation splits -> Grain batches on the mesh.
 
 The corpus (a file, a glob, or ``stdlib``: the running interpreter's
 ``Lib/*.py`` in sorted order) is concatenated, and its last ``val_fraction``
@@ -10,9 +10,6 @@ position saved in checkpoints.
 """
 from __future__ import annotations
 
-import glob
-import os
-import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
@@ -23,21 +20,14 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxtrain.config import Config
-from jaxtrain.tokenizer import ByteTokenizer, CharTokenizer, DataError, Tokenizer
+from jaxtrain.data import multihost, packing, sources
+from jaxtrain.data.tokenizers import (ByteTokenizer, CharTokenizer, DataError, HFTokenizer,
+                                      SentencePieceTokenizer, Tokenizer, identity)
 
 
 def corpus_files(path: str) -> list[Path]:
     """Files named by ``data.path``, sorted. Raises DataError if none exist."""
-    if path == "stdlib":
-        pattern = os.path.join(sysconfig.get_paths()["stdlib"], "*.py")
-    else:
-        pattern = os.path.expanduser(path)
-    if os.path.isdir(pattern):
-        raise DataError(f"data.path: '{path}' is a directory; give a file or a glob such as '{path}/*.txt'")
-    files = sorted(Path(p) for p in glob.glob(pattern) if os.path.isfile(p))
-    if not files:
-        raise DataError(f"data.path: no file matches '{path}'")
-    return files
+    return [Path(sources.localize(f)) for f in sources.expand(path)]
 
 
 @dataclass
@@ -67,9 +57,14 @@ def load_corpus(cfg: Config, saved: Optional[Tokenizer] = None) -> Corpus:
     else:
         text = raw.decode("utf-8", errors="replace")
         split = int(len(text) * (1 - cfg.data.val_fraction))
-        tok = CharTokenizer.build(text[:split])
+        if cfg.data.tokenizer == "char":
+            tok = CharTokenizer.build(text[:split])
+        elif cfg.data.tokenizer == "hf":
+            tok = HFTokenizer(cfg.data.tokenizer_path)
+        else:
+            tok = SentencePieceTokenizer(cfg.data.tokenizer_path)
         train, val = tok.encode(text[:split]), tok.encode(text[split:])
-    if saved is not None and saved.to_json() != tok.to_json():
+    if saved is not None and identity(saved) != identity(tok):
         raise DataError(f"data.path: the tokenizer built from '{cfg.data.path}' differs from the one saved "
                         f"in the run directory; use a new run.dir or the original corpus")
     window = cfg.data.seq_len + 1
@@ -99,10 +94,11 @@ def val_batches(tokens: np.ndarray, seq_len: int, batch: int, n_batches: int, se
 
 
 class BatchIterator:
-    """Yields global batches as ``[grad_accum, micro_batch, seq_len + 1]`` jax.Arrays on the mesh.
+    """Yields global batches as dicts of ``[grad_accum, micro_batch, seq_len]`` jax.Arrays on the mesh
+    (packing.FIELDS; windows are one segment with every pair in the loss).
 
-    Each process reads only its rows of every micro-batch and the global array
-    is assembled with ``jax.make_array_from_process_local_data``.
+    Every process draws the (cheap) global window indices, keeps only its own rows of every
+    micro-batch, and the global arrays are assembled with ``jax.make_array_from_process_local_data``.
     """
 
     def __init__(self, dataset: grain.MapDataset, grad_accum: int, sharding: NamedSharding):
@@ -119,14 +115,9 @@ class BatchIterator:
     def __iter__(self) -> Iterator[jax.Array]:
         return self
 
-    def __next__(self) -> jax.Array:
+    def __next__(self) -> dict[str, jax.Array]:
         batch = np.asarray(next(self._iter))
-        return to_global(batch.reshape(self.grad_accum, -1, batch.shape[-1]), self.sharding)
-
-
-def to_global(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
-    """[accum, batch, ...] host array (identical on every process) -> global jax.Array, batch dim sharded."""
-    n, pid = jax.process_count(), jax.process_index()
-    rows = host.shape[1] // n
-    local = host[:, pid * rows:(pid + 1) * rows]
-    return jax.make_array_from_process_local_data(sharding, local, host.shape)
+        batch = batch.reshape(self.grad_accum, -1, batch.shape[-1])
+        shape = (batch.shape[0], batch.shape[1], batch.shape[2] - 1)
+        lo, hi = multihost.local_rows(self.sharding, shape)
+        return multihost.to_global(packing.from_windows(batch[:, lo:hi]), self.sharding, shape)

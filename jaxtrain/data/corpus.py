@@ -1,0 +1,121 @@
+"""What the trainer calls: ``load(cfg)`` -> tokenizer, a batch-iterator factory and validation batches.
+
+``data.mode=windows`` (the default) is the original recipe: random windows over
+the concatenated files (windows.py). ``packed`` and ``padded`` read documents
+from ``data.path`` or a weighted ``data.mixture`` of paths, each a text file/glob,
+JSONL, Parquet, ArrayRecord or a token cache made by ``jaxtrain.data.prepare``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+from jax.sharding import NamedSharding
+
+from jaxtrain.config import Config
+from jaxtrain.data import packing, pipeline, sources, store, windows
+from jaxtrain.data.tokenizers import (ByteTokenizer, CharTokenizer, DataError, HFTokenizer,
+                                      SentencePieceTokenizer, Tokenizer, from_json, identity, special_ids)
+
+
+@dataclass
+class Data:
+    tokenizer: Tokenizer
+    val: dict  # packing.FIELDS -> [eval_batches, micro_batch, seq_len] int32
+    iterator: Callable[[NamedSharding], object]  # sharding -> iterator with get_state/set_state
+    info: list[str] = field(default_factory=list)  # lines for the log
+    schedule: Optional[pipeline.Schedule] = None
+
+
+def make_tokenizer(cfg: Config, char_text: Callable[[], str] = lambda: "") -> Tokenizer:
+    """The configured tokenizer; BOS/EOS of byte and char tokenizers are extra ids after the vocabulary."""
+    d = cfg.data
+    specials = tuple(n for n, on in (("<bos>", d.add_bos), ("<eos>", d.add_eos)) if on)
+    if d.tokenizer == "byte":
+        return ByteTokenizer(specials)
+    if d.tokenizer == "char":
+        return CharTokenizer.build(char_text(), specials)
+    return (HFTokenizer if d.tokenizer == "hf" else SentencePieceTokenizer)(d.tokenizer_path)
+
+
+def read_texts(src, ids, keep_bytes: bool, stats: dict) -> list:
+    out = []
+    for i in ids:
+        try:
+            out.append(store.as_text(src[int(i)], keep_bytes, stats))
+        except DataError:
+            raise
+        except Exception as err:  # a reader failing on one record: name it
+            raise DataError(f"{src.where(int(i))}: cannot read document: {err}") from None
+    return out
+
+
+def load(cfg: Config, saved: Optional[dict] = None) -> Data:
+    """Reads, tokenizes and lays out ``cfg.data`` (before any compile).
+
+    Args:
+      saved: the tokenizer identity saved in the run directory by an earlier run, if any.
+
+    Raises:
+      DataError: a missing path, malformed record, too-small source, or a tokenizer mismatch.
+    """
+    d, t = cfg.data, cfg.train
+    if d.mode == "windows":
+        corpus = windows.load_corpus(cfg, from_json(saved) if saved and saved.get("type") in ("byte", "char")
+                                     else None)
+        if saved is not None and identity(corpus.tokenizer) != {k: v for k, v in saved.items() if k != "source"}:
+            raise DataError(f"data.path: the tokenizer built from '{d.path}' differs from the one saved in the "
+                            f"run directory; use a new run.dir or the original corpus")
+        val = windows.val_batches(corpus.val, d.seq_len, cfg.micro_batch, t.eval_batches, d.seed)
+
+        def make(sharding):
+            ds = windows.train_dataset(corpus.train, d.seq_len, t.global_batch, d.seed)
+            return windows.BatchIterator(ds, t.grad_accum, sharding)
+        return Data(corpus.tokenizer, packing.from_windows(val), make)
+
+    specs = dict(d.mixture) if d.mixture else {d.path: None}
+    caches = {p: store.is_cache(p) for p in specs}
+    raw = {p: sources.open_source(p, d.format, d.text_field, d.separator) for p in specs if not caches[p]}
+    splits = {p: pipeline.split(len(s), d.val_fraction, p) for p, s in raw.items()}
+    keep_bytes = d.tokenizer == "byte"
+    stats = store.new_stats()
+    texts = {p: [read_texts(src, ids, keep_bytes, stats) for ids in splits[p]] for p, src in raw.items()}
+
+    if d.tokenizer == "char" and any(caches.values()):
+        import json
+        from pathlib import Path
+        meta = json.loads((Path(next(p for p, c in caches.items() if c)).expanduser() / store.CACHE_META)
+                          .read_text())
+        tok = from_json(meta["tokenizer"])
+    else:
+        tok = make_tokenizer(cfg, lambda: "".join(x for tr, _ in texts.values() for x in tr))
+    if saved is not None and identity(tok) != {k: v for k, v in saved.items() if k != "source"}:
+        raise DataError(f"data.path: the tokenizer for '{d.path}' differs from the one saved in the run "
+                        f"directory; use a new run.dir or the original corpus and tokenizer")
+    bos, eos = special_ids(tok, d.add_bos, d.add_eos, d.bos_token, d.eos_token)
+
+    train_parts, val_parts = [], []
+    for p, w in specs.items():
+        if caches[p]:
+            st = store.open_cache(p, tok, bos, eos)
+            for k, v in st.stats.items():
+                stats[k] = stats.get(k, 0) + v
+            tr, va = pipeline.split(len(st.lengths), d.val_fraction, p)
+            train_parts.append((st, tr, w))
+            val_parts.append((st, va, None))
+            continue
+        for part, txt in zip((train_parts, val_parts), texts[p]):
+            st = store.MemoryStore(list(store.tokenize_all(txt, tok, bos, eos, stats)), stats)
+            if len(st.lengths) == 0:
+                raise DataError(f"data.path: '{p}' has no document with at least 2 tokens in its "
+                                f"{'training' if part is train_parts else 'validation'} split")
+            part.append((st, np.arange(len(st.lengths)), w if part is train_parts else None))
+    sched = pipeline.Schedule(train_parts, d.seq_len, d.mode, d.seed)
+    name = d.path if not d.mixture else "data.mixture"
+    pipeline.check_size(sched, t.global_batch, name)
+    val = pipeline.val_rows(val_parts, d.seq_len, d.mode, cfg.micro_batch, t.eval_batches, name)
+
+    def make(sharding):
+        return pipeline.DocBatchIterator(sched, t.global_batch, t.grad_accum, sharding, d.prefetch)
+    return Data(tok, val, make, [pipeline.describe(sched, stats)], sched)

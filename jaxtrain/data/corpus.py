@@ -77,19 +77,15 @@ def load(cfg: Config, saved: Optional[dict] = None) -> Data:
     specs = dict(d.mixture) if d.mixture else {d.path: None}
     caches = {p: store.is_cache(p) for p in specs}
     raw = {p: sources.open_source(p, d.format, d.text_field, d.separator) for p in specs if not caches[p]}
-    splits = {p: pipeline.split(len(s), d.val_fraction, p) for p, s in raw.items()}
     keep_bytes = d.tokenizer == "byte"
     stats = store.new_stats()
-    texts = {p: [read_texts(src, ids, keep_bytes, stats) for ids in splits[p]] for p, src in raw.items()}
+    texts = {p: read_texts(src, range(len(src)), keep_bytes, stats) for p, src in raw.items()}
 
     if d.tokenizer == "char" and any(caches.values()):
-        import json
-        from pathlib import Path
-        meta = json.loads((Path(next(p for p, c in caches.items() if c)).expanduser() / store.CACHE_META)
-                          .read_text())
-        tok = from_json(meta["tokenizer"])
-    else:
-        tok = make_tokenizer(cfg, lambda: "".join(x for tr, _ in texts.values() for x in tr))
+        tok = from_json(store.read_meta(next(p for p, c in caches.items() if c))["tokenizer"])
+    else:  # a char vocabulary covers every document of the sources (as jaxtrain.data.prepare builds it)
+        tok = make_tokenizer(cfg, lambda: "".join(x if isinstance(x, str) else x.decode("utf-8", "replace")
+                                                  for txt in texts.values() for x in txt))
     if saved is not None and identity(tok) != {k: v for k, v in saved.items() if k != "source"}:
         raise DataError(f"data.path: the tokenizer for '{d.path}' differs from the one saved in the run "
                         f"directory; use a new run.dir or the original corpus and tokenizer")
@@ -101,16 +97,12 @@ def load(cfg: Config, saved: Optional[dict] = None) -> Data:
             st = store.open_cache(p, tok, bos, eos)
             for k, v in st.stats.items():
                 stats[k] = stats.get(k, 0) + v
-            tr, va = pipeline.split(len(st.lengths), d.val_fraction, p)
-            train_parts.append((st, tr, w))
-            val_parts.append((st, va, None))
-            continue
-        for part, txt in zip((train_parts, val_parts), texts[p]):
-            st = store.MemoryStore(list(store.tokenize_all(txt, tok, bos, eos, stats)), stats)
-            if len(st.lengths) == 0:
-                raise DataError(f"data.path: '{p}' has no document with at least 2 tokens in its "
-                                f"{'training' if part is train_parts else 'validation'} split")
-            part.append((st, np.arange(len(st.lengths)), w if part is train_parts else None))
+        else:
+            st = store.MemoryStore(list(store.tokenize_all(texts.pop(p), tok, bos, eos, stats)), stats)
+        # Same split for a cache and its source: the last val_fraction of the kept documents.
+        tr, va = pipeline.split(len(st.lengths), d.val_fraction, p)
+        train_parts.append((st, tr, w))
+        val_parts.append((st, va, None))
     sched = pipeline.Schedule(train_parts, d.seq_len, d.mode, d.seed)
     name = d.path if not d.mixture else "data.mixture"
     pipeline.check_size(sched, t.global_batch, name)

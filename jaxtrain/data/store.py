@@ -119,6 +119,17 @@ def is_cache(path: str) -> bool:
     return (Path(path).expanduser() / CACHE_META).is_file()
 
 
+def read_meta(path: str) -> dict:
+    """The cache index of a local cache directory. Raises DataError if unreadable or not a cache."""
+    try:
+        meta = json.loads((Path(path).expanduser() / CACHE_META).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise DataError(f"{path}: cannot read {CACHE_META}: {err}") from None
+    if not isinstance(meta, dict) or meta.get("format") != CACHE_FORMAT:
+        raise DataError(f"{path}: {CACHE_META} is not a jaxtrain token cache")
+    return meta
+
+
 def open_cache(path: str, tok: Tokenizer, bos: Optional[int], eos: Optional[int]) -> CacheStore:
     """Opens a prepared cache after checking that it was made with this tokenizer and BOS/EOS.
 
@@ -136,12 +147,7 @@ def open_cache(path: str, tok: Tokenizer, bos: Optional[int], eos: Optional[int]
                 dest.write_bytes(Path(localize(base + "/" + name)).read_bytes())
         path = str(local)
     root = Path(path).expanduser()
-    try:
-        meta = json.loads((root / CACHE_META).read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise DataError(f"{path}: cannot read {CACHE_META}: {err}") from None
-    if meta.get("format") != CACHE_FORMAT:
-        raise DataError(f"{path}: {CACHE_META} is not a jaxtrain token cache")
+    meta = read_meta(str(root))
     want = {"tokenizer": identity(tok), "bos_id": bos, "eos_id": eos}
     have = {k: meta.get(k) for k in want}
     if have != want:

@@ -131,7 +131,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. data.path=corpus/*.jsonl")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        meta = prepare(load(args.config, args.overrides), args.out, args.docs_per_shard, not args.no_progress)
+        # The mode does not matter to a cache; packed lets BOS/EOS options validate.
+        meta = prepare(load(args.config, ["data.mode=packed", *args.overrides]), args.out, args.docs_per_shard, not args.no_progress)
     except (ConfigError, DataError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -19,7 +19,11 @@ if __name__ == "__main__":
 
     cfg = cfglib.load(None, json.loads(overrides))
     mesh = build_mesh(cfg.mesh)  # over the devices of every process
-    it = datalib.load(cfg).iterator(NamedSharding(mesh, P(None, ("data", "fsdp", "expert"), None)))
+    data = datalib.load(cfg)
+    read = set()  # documents this process reads from the cache
+    get_doc = data.schedule.get_doc
+    data.schedule.get_doc = lambda gid: (read.add(int(gid)), get_doc(gid))[1]
+    it = data.iterator(NamedSharding(mesh, P(None, ("data", "fsdp", "expert"), None)))
     it.set_state(json.loads(start))
     total = jax.jit(lambda b: b["inputs"].sum() + 7 * b["targets"].sum())  # a collective over both processes
     saved = {}
@@ -32,5 +36,6 @@ if __name__ == "__main__":
             saved[f"{k}/{name}"] = full
         saved[f"{k}/state"] = np.frombuffer(json.dumps(it.get_state()).encode(), np.uint8)
         saved[f"{k}/sum"] = np.asarray(jax.device_get(total(batch)))
+    saved["read"] = np.asarray(sorted(read), np.int64)
     np.savez(out, **saved)
     jax.distributed.shutdown()

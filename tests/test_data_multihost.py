@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain import config as cfglib
 from jaxtrain import data as datalib
+from jaxtrain.data import prepare
 from jaxtrain.mesh import build_mesh
 
 WORKER = Path(__file__).with_name("data_multihost_worker.py")
@@ -25,14 +26,17 @@ def test_two_processes_read_the_global_batch_and_resume_across_process_counts(tm
         for _ in range(200):
             a = int(rng.integers(0, len(text) - 300))
             f.write(json.dumps({"text": text[a:a + int(rng.integers(3, 200))]}) + "\n")
-    overrides = [f"data.path={tmp_path / 'docs.jsonl'}", "data.mode=packed", "data.seq_len=16",
+    assert prepare.main([f"data.path={tmp_path / 'docs.jsonl'}", "--out", str(tmp_path / "cache"),
+                         "--no-progress"]) == 0
+    overrides = [f"data.path={tmp_path / 'cache'}", "data.mode=packed", "data.seq_len=16",
                  "train.global_batch=16", "train.grad_accum=2", "train.eval_batches=1", "mesh.data=4",
                  "mesh.fsdp=2"]
     cfg = cfglib.load(None, overrides)
 
     # The reference: one process with all 8 devices.
     sharding = NamedSharding(build_mesh(cfg.mesh), P(None, ("data", "fsdp", "expert"), None))
-    it = datalib.load(cfg).iterator(sharding)
+    data = datalib.load(cfg)
+    it = data.iterator(sharding)
     ref, states = [], [it.get_state()]
     for _ in range(6):
         ref.append({k: np.asarray(v) for k, v in next(it).items()})
@@ -62,6 +66,13 @@ def test_two_processes_read_the_global_batch_and_resume_across_process_counts(tm
                                                                           + 7 * want["targets"].sum())
         for o in out:  # both processes hold the same global position as the single process
             assert json.loads(o[f"{k}/state"].tobytes()) == states[3 + k]
+
+    # Each process read from the cache only the documents of its own rows (prefetch may read ahead).
+    sched, micro = data.schedule, 8
+    for pid, o in enumerate(out):
+        own = {d for step in range(2, 6 + 4) for a in range(2) for j in range(4 * pid, 4 * pid + 4)
+               for d, _, _ in sched.layout(0).segments(step * 16 + a * micro + j)}
+        assert 0 < len(o["read"]) and set(o["read"].tolist()) <= own and len(own) < len(sched.pairs) / 2
 
     # 2 -> 1: one process resumes from the two processes' state after their step 4 (global step 4).
     it2 = datalib.load(cfg).iterator(sharding)

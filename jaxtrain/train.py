@@ -146,6 +146,8 @@ def run(cfg: Config, devices: Optional[Sequence[jax.Device]] = None, quiet: bool
     evals = [r["val_loss"] for r in result.rows if "val_loss" in r]
     result.val_loss = evals[-1] if evals else evaluate(trainer, state["params"], val, val_counts)
     prompt = corpus.tokenizer.encode(cfg.train.sample_prompt)
+    if corpus.bos_id is not None:
+        prompt = np.concatenate([[corpus.bos_id], prompt]).astype(np.int32)
     ids = generate(trainer.logits_fn, state["params"], prompt, cfg.train.sample_tokens, cfg.data.seq_len,
                    cfg.train.sample_temperature, cfg.train.seed)
     result.sample = corpus.tokenizer.decode(ids)

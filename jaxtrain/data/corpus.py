@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxtrain.config import Config
@@ -26,6 +25,7 @@ class Data:
     iterator: Callable[[NamedSharding], object]  # sharding -> iterator with get_state/set_state
     info: list[str] = field(default_factory=list)  # lines for the log
     schedule: Optional[pipeline.Schedule] = None
+    bos_id: Optional[int] = None  # prepended to sampling prompts when documents start with it
 
 
 def make_tokenizer(cfg: Config, char_text: Callable[[], str] = lambda: "") -> Tokenizer:
@@ -110,4 +110,4 @@ def load(cfg: Config, saved: Optional[dict] = None) -> Data:
 
     def make(sharding):
         return pipeline.DocBatchIterator(sched, t.global_batch, t.grad_accum, sharding, d.prefetch)
-    return Data(tok, val, make, [pipeline.describe(sched, stats)], sched)
+    return Data(tok, val, make, [pipeline.describe(sched, stats)], sched, bos)

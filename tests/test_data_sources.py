@@ -202,3 +202,53 @@ def test_byte_tokenizer_keeps_specials_out_of_bytes():
     tok = ByteTokenizer(("<bos>", "<eos>"))
     assert tok.vocab_size == 258 and tok.special_id("<eos>") == 257 and tok.special_id("</s>") is None
     assert tok.decode([256, 104, 105, 257]) == "hi"
+
+
+def test_object_store_paths_through_epath(tmp_path, monkeypatch):
+    """gs:// globs, reads, cache writes and cache reads, with epath pointed at a local 'bucket' folder."""
+    from jaxtrain.data import prepare
+    bucket = tmp_path / "bucket"
+    (bucket / "corpus").mkdir(parents=True)
+
+    class FakeGcs:  # the part of etils.epath.Path that jaxtrain uses, over a local folder
+        def __init__(self, url):
+            self.url = url.rstrip("/")
+            self.local = bucket / self.url.split("://", 1)[1].partition("/")[2]
+
+        def __str__(self):
+            return self.url
+
+        def __truediv__(self, name):
+            return FakeGcs(f"{self.url}/{name}")
+
+        def glob(self, pattern):
+            return [self / str(p.relative_to(self.local)) for p in sorted(self.local.glob(pattern))]
+
+        def mkdir(self, parents=False, exist_ok=False):
+            self.local.mkdir(parents=parents, exist_ok=exist_ok)
+
+        def __getattr__(self, name):  # exists, read_bytes, read_text, write_bytes, write_text
+            return getattr(self.local, name)
+
+    monkeypatch.setattr(sources, "_epath", FakeGcs)
+    monkeypatch.setenv("JAXTRAIN_DATA_CACHE", str(tmp_path / "local-cache"))
+    for i in range(2):
+        write_jsonl(bucket / "corpus" / f"part-{i}.jsonl", [{"text": f"shard {i} doc {j} " * 5} for j in range(20)])
+    assert sources.expand("gs://b/corpus/part-*.jsonl") == [f"gs://b/corpus/part-{i}.jsonl" for i in range(2)]
+    direct = datalib.load(cfg_of("data.path=gs://b/corpus/part-*.jsonl"))
+    assert prepare.main(["data.path=gs://b/corpus/part-*.jsonl", "--out", "gs://b/cache", "--no-progress"]) == 0
+    assert sorted(p.name for p in (bucket / "cache").iterdir())[0] == "cache.json"
+    assert store.is_cache("gs://b/cache")
+    cached = datalib.load(cfg_of("data.path=gs://b/cache"))
+    for g in range(direct.schedule.rows_per_epoch()):
+        a, b = direct.schedule.row(g), cached.schedule.row(g)
+        assert all((a[k] == b[k]).all() for k in a)
+
+
+def test_document_options_are_checked_before_loading():
+    with pytest.raises(cfglib.ConfigError, match="data.mixture: needs data.mode=packed or padded"):
+        cfglib.load(None, ["data.mixture={a.jsonl: 1}"])
+    with pytest.raises(cfglib.ConfigError, match="data.mixture: weight of 'a.jsonl' must be > 0, got 0"):
+        cfg_of("data.mixture={a.jsonl: 0}")
+    with pytest.raises(cfglib.ConfigError, match="data.tokenizer_path: data.tokenizer=hf needs a local tokenizer"):
+        cfg_of("data.tokenizer=hf")

@@ -121,8 +121,10 @@ def is_cache(path: str) -> bool:
 
 def read_meta(path: str) -> dict:
     """The cache index of a local cache directory. Raises DataError if unreadable or not a cache."""
+    from jaxtrain.data.sources import is_remote, _epath
     try:
-        meta = json.loads((Path(path).expanduser() / CACHE_META).read_text())
+        index = _epath(path.rstrip("/") + "/" + CACHE_META) if is_remote(path) else Path(path).expanduser() / CACHE_META
+        meta = json.loads(index.read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise DataError(f"{path}: cannot read {CACHE_META}: {err}") from None
     if not isinstance(meta, dict) or meta.get("format") != CACHE_FORMAT:
@@ -139,7 +141,7 @@ def open_cache(path: str, tok: Tokenizer, bos: Optional[int], eos: Optional[int]
     from jaxtrain.data.sources import is_remote, localize, _epath
     if is_remote(path):  # copy the (small) index and the shards locally once
         base = path.rstrip("/")
-        meta = json.loads(_epath(base + "/" + CACHE_META).read_text())
+        meta = read_meta(base)
         local = Path(localize(base + "/" + CACHE_META)).parent
         for name in [meta["lengths_file"]] + [s["file"] for s in meta["shards"]]:
             dest = local / name

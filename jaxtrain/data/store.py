@@ -138,7 +138,7 @@ def open_cache(path: str, tok: Tokenizer, bos: Optional[int], eos: Optional[int]
     Raises:
       DataError: not a jaxtrain cache, or made with another tokenizer or other special tokens.
     """
-    from jaxtrain.data.sources import is_remote, localize, _epath
+    from jaxtrain.data.sources import is_remote, localize
     if is_remote(path):  # copy the (small) index and the shards locally once
         base = path.rstrip("/")
         meta = read_meta(base)

@@ -67,6 +67,12 @@ def test_epochs_cover_every_document_once_and_reshuffle():
         assert sorted(f for f in firsts if f in starts) == sorted(starts)  # each document exactly once
         epochs.append(sched.layout(e).order.tolist())
     assert epochs[0] != epochs[1] != epochs[2] and sorted(epochs[1]) == list(range(33))
+    packed = pipeline.Schedule([(st, np.arange(33), None)], seq_len=8, mode="packed", seed=3)
+    for e in range(2):  # packed: every (document, pair) of the epoch exactly once, 23*6 + 10*11 = 248 pairs
+        lay = packed.layout(e)
+        pairs = [(d, i) for r in range(lay.rows) for d, a, b in lay.segments(r) for i in range(a, b)]
+        assert len(pairs) == len(set(pairs)) == 248 and lay.rows == 31
+    assert packed.locate(31) == (1, 0) and packed.locate(62) == (2, 0)
     again = pipeline.Schedule([(st, np.arange(33), None)], 8, "padded", seed=3)
     assert again.layout(1).order.tolist() == epochs[1]  # a pure function of (seed, epoch)
     assert pipeline.Schedule([(st, np.arange(33), None)], 8, "padded", seed=4).layout(1).order.tolist() != epochs[1]

@@ -12,7 +12,11 @@ on the running interpreter's standard library (``data.path: stdlib``).
 from __future__ import annotations
 
 import difflib
+import math
 import os
+import re
+import types
+import typing
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -27,7 +31,8 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # strict: no bool -> int or 2.5 -> int coercion (ints are still accepted for floats).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True)
 
 
 class ModelConfig(_Section):
@@ -187,12 +192,40 @@ def check_consistency(cfg: Config) -> None:
         raise ConfigError(f"data.tokenizer_path: data.tokenizer={cfg.data.tokenizer} needs a local tokenizer file")
     if (cfg.data.add_bos or cfg.data.add_eos) and cfg.data.mode == "windows":
         raise ConfigError("data.add_bos: BOS/EOS are added per document: use data.mode=packed or padded")
+    _check_optimizer(cfg.optimizer)
+    if t.sample_tokens < 0:
+        raise ConfigError(f"train.sample_tokens: must be >= 0, got {t.sample_tokens}")
+    if t.peak_tflops is not None and not 0 < t.peak_tflops < math.inf:
+        raise ConfigError(f"train.peak_tflops: must be a positive number, got {t.peak_tflops}")
+    if not cfg.run.dir.strip():
+        raise ConfigError("run.dir: must not be empty")
     sizes = [getattr(cfg.mesh, a) for a in MESH_AXES]
     if sum(s == -1 for s in sizes) > 1:
         raise ConfigError("mesh: at most one axis may be -1, got " + _mesh_str(cfg.mesh))
     for a, s in zip(MESH_AXES, sizes):
         if s == 0 or s < -1:
             raise ConfigError(f"mesh.{a}: must be a positive size or -1, got {s}")
+
+
+def _check_optimizer(o: OptimizerConfig) -> None:
+    for key in ("lr", "min_lr", "b1", "b2", "eps", "weight_decay", "clip_norm"):
+        if not math.isfinite(getattr(o, key)):
+            raise ConfigError(f"optimizer.{key}: must be finite, got {getattr(o, key)}")
+    _positive("optimizer.lr", o.lr)
+    _positive("optimizer.eps", o.eps)
+    _positive("optimizer.clip_norm", o.clip_norm)
+    if not 0 <= o.min_lr <= o.lr:
+        raise ConfigError(f"optimizer.min_lr: must be in [0, optimizer.lr={o.lr}], got {o.min_lr}")
+    for key in ("b1", "b2"):
+        if not 0 <= getattr(o, key) < 1:
+            raise ConfigError(f"optimizer.{key}: must be in [0, 1), got {getattr(o, key)}")
+    if o.weight_decay < 0:
+        raise ConfigError(f"optimizer.weight_decay: must be >= 0, got {o.weight_decay}")
+    if o.warmup_steps < 0:
+        raise ConfigError(f"optimizer.warmup_steps: must be >= 0, got {o.warmup_steps}")
+    if o.decay_steps is not None and o.decay_steps <= o.warmup_steps:
+        raise ConfigError(f"optimizer.decay_steps: must be > optimizer.warmup_steps={o.warmup_steps}, "
+                          f"got {o.decay_steps}")
 
 
 def _mesh_str(mesh: MeshConfig) -> str:
@@ -242,18 +275,49 @@ def _check_keys(tree: Any, model_cls: type[BaseModel], prefix: str = "") -> None
             _check_keys(value, sub, dotted + ".")
 
 
+def _annotation(path: list[str]) -> Any:
+    """The schema annotation of a dotted path, or None if the path is not in the schema."""
+    cls: Any = Config
+    for part in path:
+        if not (isinstance(cls, type) and issubclass(cls, BaseModel)) or part not in cls.model_fields:
+            return None
+        cls = cls.model_fields[part].annotation
+    return cls
+
+
+def _is_string_field(annotation: Any) -> bool:
+    if annotation is str:
+        return True
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is Literal:
+        return all(isinstance(a, str) for a in args)
+    return typing.get_origin(annotation) in (typing.Union, types.UnionType) and str in args  # Optional[str]
+
+
 def parse_override(item: str) -> tuple[list[str], Any]:
-    """``'train.steps=10'`` -> (['train', 'steps'], 10). Values are parsed as YAML scalars."""
+    """``'train.steps=10'`` -> (['train', 'steps'], 10).
+
+    Values are parsed as YAML scalars, except for string fields, which take the
+    text as written (``data.path=2024`` stays '2024'; ``null`` still means None).
+    """
     if "=" not in item:
         raise ConfigError(f"override '{item}': expected dotted key=value, e.g. train.steps=100")
     key, raw = item.split("=", 1)
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override '{item}': empty key")
+    path = key.split(".")
+    if _is_string_field(_annotation(path)) and raw not in ("null", "~"):
+        return path, raw
     try:
-        value = yaml.safe_load(raw) if raw != "" else ""
+        value = yaml.load(raw, Loader=UniqueKeyLoader) if raw != "" else ""
     except yaml.YAMLError:
         value = raw
-    return key.split("."), value
+    if isinstance(value, str) and float in (_annotation(path), *typing.get_args(_annotation(path))):
+        try:
+            value = float(raw)  # 'nan', 'inf' (checked later with a named error)
+        except ValueError:
+            pass
+    return path, value
 
 
 def _set(tree: dict, path: list[str], value: Any) -> None:
@@ -295,9 +359,9 @@ def load(path: Optional[str] = None, overrides: list[str] | tuple[str, ...] = ()
     """
     tree: dict = {}
     if path is not None:
-        file = resolve_resource(path, "configs")
+        file = resolve_resource(path, "configs", "--config")
         try:
-            loaded = yaml.safe_load(file.read_text())
+            loaded = yaml.load(file.read_text(), Loader=UniqueKeyLoader)
         except yaml.YAMLError as err:
             raise ConfigError(f"config file {file}: invalid YAML: {err}") from None
         if loaded is not None and not isinstance(loaded, dict):
@@ -309,7 +373,28 @@ def load(path: Optional[str] = None, overrides: list[str] | tuple[str, ...] = ()
     return from_dict(tree)
 
 
-def resolve_resource(name: str, folder: str) -> Path:
+class UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that rejects a key given twice in one mapping (instead of last-wins)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key '{key}'", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+# YAML 1.1 reads '3e-4' (no dot) as a string; read it as the float everyone means.
+UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))
+
+
+def resolve_resource(name: str, folder: str, key: str) -> Path:
     """Finds a YAML file given as a path, or by name in ``configs/`` / ``sharding_rules/``.
 
     Looks in the source checkout first, then in the installed package data.
@@ -324,4 +409,5 @@ def resolve_resource(name: str, folder: str) -> Path:
         if (root / stem).is_file():
             return root / stem
     known = sorted({p.stem for r in roots if r.is_dir() for p in r.glob("*.yaml")})
-    raise ConfigError(f"{folder} file '{name}' not found (not a file; known names: {', '.join(known) or 'none'})")
+    raise ConfigError(f"{key}: {folder} file '{name}' not found (not a file; known names: "
+                      f"{', '.join(known) or 'none'})")

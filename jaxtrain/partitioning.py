@@ -59,7 +59,7 @@ class Rules:
     @classmethod
     def load(cls, name_or_path: str, allow_fallback: bool = False) -> "Rules":
         """Reads ``sharding_rules/<name>.yaml`` (or a path). Raises ConfigError/ShardingError."""
-        path = resolve_resource(name_or_path, "sharding_rules")
+        path = resolve_resource(name_or_path, "sharding_rules", "sharding.rules")
         try:
             raw = yaml.safe_load(path.read_text())
         except yaml.YAMLError as err:

@@ -163,7 +163,7 @@ def parse_args(argv: Sequence[str]) -> tuple[Optional[str], list[str]]:
         description="Train a model. Overrides are dotted key=value pairs, e.g. train.steps=100 mesh.fsdp=8.")
     parser.add_argument("--config", help="YAML config file or a name in configs/ (default: built-in job)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides (a leading FILE.yaml is the config)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides may come before or after --config
     overrides = list(args.overrides)
     config = args.config
     if overrides and "=" not in overrides[0] and overrides[0].endswith((".yaml", ".yml")):

@@ -61,7 +61,7 @@ def test_override_without_equals():
 
 
 def test_missing_config_file():
-    with pytest.raises(ConfigError, match="configs file 'nope.yaml' not found"):
+    with pytest.raises(ConfigError, match="^--config: configs file 'nope.yaml' not found"):
         cfglib.load("nope.yaml")
 
 
@@ -115,3 +115,41 @@ def test_cli_prints_error_and_exits_2(capsys):
 def test_cli_positional_config_file():
     assert trainlib.parse_args(["configs/x.yaml", "a.b=1"]) == ("configs/x.yaml", ["a.b=1"])
     assert trainlib.parse_args(["--config", "c.yaml"]) == ("c.yaml", [])
+
+
+@pytest.mark.parametrize("override,message", [
+    ("optimizer.lr=-1", "optimizer.lr: must be > 0, got -1.0"),
+    ("optimizer.lr=nan", "optimizer.lr: must be finite, got nan"),
+    ("optimizer.b1=1.5", "optimizer.b1: must be in [0, 1), got 1.5"),
+    ("optimizer.clip_norm=-1", "optimizer.clip_norm: must be > 0, got -1.0"),
+    ("optimizer.weight_decay=-5", "optimizer.weight_decay: must be >= 0, got -5.0"),
+    ("optimizer.warmup_steps=-3", "optimizer.warmup_steps: must be >= 0, got -3"),
+    ("optimizer.min_lr=1", "optimizer.min_lr: must be in [0, optimizer.lr=0.001], got 1.0"),
+    ("optimizer.decay_steps=10", "optimizer.decay_steps: must be > optimizer.warmup_steps=20, got 10"),
+    ("train.sample_tokens=-1", "train.sample_tokens: must be >= 0, got -1"),
+    ("train.peak_tflops=-1", "train.peak_tflops: must be a positive number, got -1.0"),
+    ("run.dir=", "run.dir: must not be empty"),
+    ("train.steps=true", "train.steps: Input should be a valid integer (got True)"),
+    ("train.steps=2.5", "train.steps: Input should be a valid integer (got 2.5)"),
+])
+def test_bad_values_are_named(override, message):
+    with pytest.raises(ConfigError) as e:
+        cfglib.load(None, [override])
+    assert str(e.value) == message
+
+
+def test_string_fields_keep_override_text():
+    cfg = cfglib.load(None, ["data.path=2024", "train.sample_prompt=123", "optimizer.decay_steps=null"])
+    assert cfg.data.path == "2024" and cfg.train.sample_prompt == "123" and cfg.optimizer.decay_steps is None
+
+
+def test_duplicate_yaml_key_is_an_error(tmp_path):
+    f = tmp_path / "dup.yaml"
+    f.write_text("train:\n  steps: 5\n  steps: 6\n")
+    with pytest.raises(ConfigError, match=r"invalid YAML: .*duplicate key 'steps'"):
+        cfglib.load(str(f))
+
+
+def test_overrides_may_precede_config():
+    assert trainlib.parse_args(["train.steps=3", "--config", "c.yaml", "run.dir=x"]) == \
+        ("c.yaml", ["train.steps=3", "run.dir=x"])

@@ -78,7 +78,7 @@ def test_rules_file_with_unknown_mesh_axis(tmp_path):
 
 
 def test_rules_file_not_found():
-    with pytest.raises(ConfigError, match="sharding_rules file 'nope' not found"):
+    with pytest.raises(ConfigError, match="^sharding.rules: sharding_rules file 'nope' not found"):
         Rules.load("nope")
 
 

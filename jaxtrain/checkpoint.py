@@ -5,7 +5,9 @@ state, every process writing its own shards; ``data``: the data-iterator
 position, JSON; ``config``: the resolved config, JSON) plus ``COMMIT.json``,
 written by the primary process only after Orbax reports the async save
 finished. ``DIR`` is ``RUN_DIR/checkpoints`` or ``checkpoint.dir`` (a local
-path, ``gs://`` or ``s3://``, see :mod:`jaxtrain.ckpt_s3`).
+path, ``gs://`` or ``s3://``; for S3, Orbax writes to ``RUN_DIR/checkpoints_staging``
+and each process uploads its own files before the marker is written, see
+:mod:`jaxtrain.ckpt_s3`).
 
 Crash consistency: a step directory without a readable marker is never
 restored and is deleted when the next :class:`Checkpointer` starts (Orbax
@@ -18,9 +20,10 @@ reads anything.
 from __future__ import annotations
 
 import json
-import os
 import re
+import shutil
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -85,7 +88,17 @@ class Checkpointer:
     def __init__(self, cfg: Config, run_dir: Path, mesh_shape: Optional[dict] = None,
                  report: Optional[Callable[[dict], None]] = None):
         c = self.options = cfg.checkpoint
-        self.directory = ckpt_s3.resolve(c.dir or str(Path(run_dir, "checkpoints").absolute()), c.s3_endpoint)
+        try:
+            self.store = ckpt_s3.open_store(c.dir or str(Path(run_dir, "checkpoints").absolute()), c.s3_endpoint)
+        except ckpt_s3.StorageError as err:
+            raise CheckpointError(str(err)) from None
+        self.remote = isinstance(self.store, ckpt_s3.S3Store)
+        if self.remote:  # Orbax writes here; finished steps are uploaded, then removed
+            self.directory = epath.Path(Path(run_dir, "checkpoints_staging").absolute())
+            shutil.rmtree(self.directory, ignore_errors=True)
+            self._uploader = ThreadPoolExecutor(1, thread_name_prefix="jaxtrain-ckpt-upload")
+        else:
+            self.directory = self.store.root
         self.config_dict = cfg.to_dict()
         self.mesh_shape = dict(mesh_shape or {})
         self.report = report or (lambda row: None)
@@ -96,26 +109,22 @@ class Checkpointer:
         _sync("jaxtrain_ckpt_cleanup")
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None, enable_async_checkpointing=c.async_save, create=True)  # we do the GC
-        self.manager = ocp.CheckpointManager(
-            self.directory, options=options,
-            handler_registry=ckpt_s3.handler_registry(self.directory))
+        self.manager = ocp.CheckpointManager(self.directory, options=options)
 
     # ------------------------------------------------------------------ listing
 
     def _marker(self, step: int) -> Optional[dict]:
         try:
-            info = json.loads((self.directory / str(step) / MARKER).read_text())
+            info = json.loads(self.store.read_text(f"{step}/{MARKER}"))
         except (OSError, ValueError):
             return None
         return info if isinstance(info, dict) and info.get("step") == step else None
 
     def committed(self) -> dict[int, dict]:
         """``{step: marker}`` for every committed step directory."""
-        if not self.directory.exists():
-            return {}
         out = {}
-        for child in self.directory.iterdir():
-            m = _STEP_DIR.match(child.name)
+        for name in self.store.names():
+            m = _STEP_DIR.match(name)
             if m and not m.group(2):
                 info = self._marker(int(m.group(1)))
                 if info is not None:
@@ -128,14 +137,12 @@ class Checkpointer:
 
     def _cleanup_uncommitted(self) -> list[str]:
         """Deletes step directories without a marker and Orbax temporaries. Returns their names."""
-        if not self.directory.exists():
-            return []
         removed = []
-        for child in list(self.directory.iterdir()):
-            m = _STEP_DIR.match(child.name)
+        for name in self.store.names():
+            m = _STEP_DIR.match(name)
             if m and (m.group(2) or self._marker(int(m.group(1))) is None):
-                ckpt_s3.rmtree(child)
-                removed.append(child.name)
+                self.store.rmtree(name)
+                removed.append(name)
         return sorted(removed)
 
     # ------------------------------------------------------------------ saving
@@ -172,9 +179,41 @@ class Checkpointer:
         return blocking
 
     def poll(self) -> None:
-        """Commits the pending save if Orbax has finished it (cheap; call once per step)."""
-        if self._pending is not None and not self.manager.is_saving_in_progress():
+        """Commits the pending save if it has finished (cheap; call once per step).
+
+        Multi-process runs commit at the next save or close instead, where every process
+        arrives at the same point (the commit has a barrier).
+        """
+        p = self._pending
+        if p is None or jax.process_count() > 1:
+            return
+        if "upload" not in p and not self.manager.is_saving_in_progress():
+            if not self.remote:
+                self.finish()
+                return
+            self._start_upload(p)
+        if "upload" in p and p["upload"].done():
             self.finish()
+
+    def _orbax_done(self, p: dict) -> None:
+        """Waits for Orbax; raises if the async write failed."""
+        self.manager.wait_until_finished()
+        self.manager.check_for_errors()
+        if not (self.directory / str(p["step"])).exists():
+            raise CheckpointError(f"Orbax finished without creating {self.directory / str(p['step'])}")
+
+    def _start_upload(self, p: dict) -> None:
+        step = p["step"]
+        fut: Future = Future()
+        try:
+            self._orbax_done(p)
+        except Exception as err:  # noqa: BLE001
+            fut.set_exception(err)
+        else:
+            def upload() -> int:
+                return self.store.upload(Path(self.directory / str(step)), str(step))
+            fut = self._uploader.submit(upload)
+        p["upload"] = fut
 
     def finish(self) -> Optional[bool]:
         """Waits for the pending save; commits it (True), or reports its failure (False). None: nothing pending."""
@@ -183,15 +222,18 @@ class Checkpointer:
             return None
         step = p["step"]
         try:
-            self.manager.wait_until_finished()
-            self.manager.check_for_errors()
-            if not (self.directory / str(step)).exists():
-                raise CheckpointError(f"Orbax finished without creating {self.directory / str(step)}")
+            if self.remote:
+                if "upload" not in p:
+                    self._start_upload(p)
+                p["uploaded_bytes"] = p["upload"].result()
+            else:
+                self._orbax_done(p)
         except Exception as err:  # noqa: BLE001 - any failure of the async write is reported, not raised
             if _primary():
-                for child in list(self.directory.iterdir()):
-                    if child.name == str(step) or child.name.startswith(f"{step}.orbax-checkpoint-tmp"):
-                        ckpt_s3.rmtree(child)
+                for name in self.store.names():
+                    if name == str(step) or name.startswith(f"{step}.orbax-checkpoint-tmp"):
+                        self.store.rmtree(name)
+            self._drop_staging(step)
             self.manager.reload()
             self.report({"step": step, "checkpoint_failed": f"{type(err).__name__}: {err}",
                          "latest_committed": self.latest_step()})
@@ -200,8 +242,9 @@ class Checkpointer:
         if _primary():
             marker = {"format": FORMAT, "step": step, "time": time.time(), "metrics": p["metrics"],
                       "mesh": self.mesh_shape, "process_count": jax.process_count(), "tree": p["tree"]}
-            ckpt_s3.write_atomic(self.directory / str(step) / MARKER, json.dumps(marker))
+            self.store.write_text(f"{step}/{MARKER}", json.dumps(marker))
         _sync("jaxtrain_ckpt_commit")
+        self._drop_staging(step)
         removed = self.collect_garbage() if _primary() else []
         _sync("jaxtrain_ckpt_gc")
         self.report({"step": step, "checkpoint_saved": step, "save_blocking_s": p["blocking_s"],
@@ -228,11 +271,16 @@ class Checkpointer:
         committed = self.committed()
         doomed = sorted(set(committed) - self.keep_set(committed))
         for step in doomed:
-            ckpt_s3.unlink(self.directory / str(step) / MARKER)
-            ckpt_s3.rmtree(self.directory / str(step))
-        if doomed:
+            self.store.unlink(f"{step}/{MARKER}")
+            self.store.rmtree(str(step))
+        if doomed and not self.remote:
             self.manager.reload()
         return doomed
+
+    def _drop_staging(self, step: int) -> None:
+        if self.remote:
+            shutil.rmtree(Path(self.directory / str(step)), ignore_errors=True)
+            self.manager.reload()
 
     # ------------------------------------------------------------------ restoring
 
@@ -246,18 +294,25 @@ class Checkpointer:
         """
         info = self._marker(step)
         if info is None:
-            raise CheckpointError(f"checkpoint step {step} in {self.directory} is not committed "
+            raise CheckpointError(f"checkpoint step {step} in {self.store.url} is not committed "
                                   f"(no valid {MARKER}); committed steps: {list(self.committed())}")
         bad = mismatches(info["tree"], tree_summary(abstract_state))
         if bad:
             raise CheckpointError(
-                f"checkpoint step {step} in {self.directory} does not match the current config "
+                f"checkpoint step {step} in {self.store.url} does not match the current config "
                 f"({len(bad)} mismatched paths):\n  " + "\n  ".join(bad))
+        if self.remote:
+            t0 = time.perf_counter()
+            nbytes = self.store.download(str(step), Path(self.directory / str(step)))
+            self.last_download = {"bytes": nbytes, "seconds": time.perf_counter() - t0}
+            self.manager.reload()
         try:
             out = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
         except (ValueError, KeyError, TypeError, FileNotFoundError) as err:
-            raise CheckpointError(f"checkpoint step {step} in {self.directory} cannot be read: {err}") from err
+            raise CheckpointError(f"checkpoint step {step} in {self.store.url} cannot be read: {err}") from err
+        finally:
+            self._drop_staging(step)
         return out["state"], dict(out["data"])
 
     def saved_mesh(self, step: int) -> dict:
@@ -269,6 +324,8 @@ class Checkpointer:
     def close(self) -> None:
         self.finish()
         self.manager.close()
+        if self.remote:
+            self._uploader.shutdown()
 
 
 def abstract_like(state: Any, shardings: Any) -> Any:

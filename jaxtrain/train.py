@@ -107,7 +107,7 @@ def run(cfg: Config, devices: Optional[Sequence[jax.Device]] = None, quiet: bool
         batches.set_state(data_state)
         saved_mesh = ckpt.saved_mesh(latest)
         resharded = f" (resharded from mesh {saved_mesh})" if saved_mesh and saved_mesh != dict(mesh.shape) else ""
-        out.info(f"resumed from {ckpt.directory}/{latest}{resharded}")
+        out.info(f"resumed from {ckpt.store.url}/{latest}{resharded}")
     else:
         state = trainer.init()
     start = int(jax.device_get(state["step"]))
@@ -212,7 +212,7 @@ def _check_nonfinite(flag: int, bad_run: int, step: int, cfg: Config, ckpt, resu
         raise NonFiniteError(
             f"train.max_nonfinite_steps: {bad_run} steps in a row (steps {step - bad_run + 1}..{step}) had a "
             f"non-finite loss or gradient and were skipped; stopping. The last good checkpoint is "
-            + (f"step {last} in {ckpt.directory}" if last is not None else "none (no checkpoint saved)"))
+            + (f"step {last} in {ckpt.store.url}" if last is not None else "none (no checkpoint saved)"))
     return bad_run
 
 

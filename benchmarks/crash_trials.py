@@ -94,7 +94,7 @@ def run_trials(trials: int, workdir: Path, data: str, steps: int = 40, seed: int
     reference = dict(losses(ref_dir))
     assert sorted(reference) == list(range(1, steps + 1)), sorted(reference)
 
-    run_dir, failures, during_save, completed_runs = workdir / "trial", [], 0, 0
+    run_dir, failures, during_save, completed_runs, kills = workdir / "trial", [], 0, 0, 0
     times = [json.loads(line)["time"] for line in (ref_dir / "metrics.jsonl").read_text().splitlines()]
     window = times[-1] - times[0]
     log(f"reference: {steps} steps in {ref_time:.1f} s, {window:.1f} s of it training (and saving)")
@@ -124,9 +124,12 @@ def run_trials(trials: int, workdir: Path, data: str, steps: int = 40, seed: int
             _kill_after(proc, delay)
         else:  # most during training, where every other step starts an async save
             training.wait(timeout=300)
+            t_train = time.monotonic()
             delay = rng.uniform(0.0, window)
             when = f"{delay:.2f} s into training"
             _kill_after(proc, delay)
+            if proc.returncode == 0:  # finished first: the machine got faster, aim earlier next time
+                window = 0.8 * (time.monotonic() - t_train)
         proc.wait()
         reader.join()
         out = "".join(lines)
@@ -143,6 +146,7 @@ def run_trials(trials: int, workdir: Path, data: str, steps: int = 40, seed: int
             status = f"FAIL: exit code {proc.returncode}: {out[-500:]}"
         leftovers = uncommitted(run_dir)
         during_save += bool(killed and leftovers)
+        kills += killed
         if status != "ok":
             failures.append(f"trial {trial}: {status}")
         log(f"trial {trial:>2}: {'SIGKILL ' + when if killed else 'ran to completion'}; "
@@ -153,7 +157,7 @@ def run_trials(trials: int, workdir: Path, data: str, steps: int = 40, seed: int
         failures.append(f"{len(bad_rows)} loss rows differ from the reference, e.g. {bad_rows[:3]}")
     if committed(run_dir)[-1:] != [steps]:
         failures.append(f"the final run did not complete: committed {committed(run_dir)}")
-    summary = {"trials": trials, "killed_during_save": during_save, "completed_series": completed_runs,
+    summary = {"trials": trials, "sigkills": kills, "killed_during_save": during_save, "completed_series": completed_runs,
                "loss_rows_checked": len(losses(run_dir)), "failures": failures}
     log(json.dumps(summary))
     return summary

@@ -104,7 +104,8 @@ def run(cfg: Config, devices: Optional[Sequence[jax.Device]] = None, quiet: bool
     if latest is not None:
         abstract = ckptlib.abstract_like(jax.eval_shape(trainer.init), trainer.state_shardings)
         state, data_state = ckpt.restore(latest, abstract)
-        batches.set_state(data_state)
+        if data_state:  # empty for an imported checkpoint (jaxtrain.export --import)
+            batches.set_state(data_state)
         saved_mesh = ckpt.saved_mesh(latest)
         resharded = f" (resharded from mesh {saved_mesh})" if saved_mesh and saved_mesh != dict(mesh.shape) else ""
         out.info(f"resumed from {ckpt.store.url}/{latest}{resharded}")

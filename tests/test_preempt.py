@@ -59,4 +59,4 @@ def test_sigterm_saves_commits_exits_zero_and_rerun_resumes(tmp_path, corpus_pat
 def test_sigkill_trials_resume_from_latest_commit(tmp_path, corpus_path):
     summary = crash_trials.run_trials(2, tmp_path, corpus_path, steps=16, seed=3, log=lambda _: None)
     assert summary["failures"] == [], json.dumps(summary)
-    assert summary["loss_rows_checked"] >= 16
+    assert summary["loss_rows_checked"] >= 16 and summary["sigkills"] >= 1

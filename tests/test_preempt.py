@@ -60,3 +60,18 @@ def test_sigkill_trials_resume_from_latest_commit(tmp_path, corpus_path):
     summary = crash_trials.run_trials(2, tmp_path, corpus_path, steps=16, seed=3, log=lambda _: None)
     assert summary["failures"] == [], json.dumps(summary)
     assert summary["loss_rows_checked"] >= 16 and summary["sigkills"] >= 1
+
+
+def test_grace_period_expiry_exits_75():
+    code = ("import os, signal, time\n"
+            "from jaxtrain.preempt import Preemption\n"
+            "with Preemption(grace_period_s=0.5):\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    time.sleep(30)  # a save that never commits\n")
+    import sys
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 75
+    assert time.monotonic() - t0 < 20
+    assert proc.stderr.strip() == ("error: checkpoint.grace_period_s=0.5 s passed after SIGTERM before the "
+                                   "checkpoint committed; exiting (the latest committed checkpoint is intact)")

@@ -167,3 +167,19 @@ def test_policy_in_a_run_keeps_last_and_best(small_cfg):
     saved = [r for r in result.rows if "checkpoint_saved" in r]
     assert [r["checkpoint_saved"] for r in saved] == [2, 4, 6, 8]
     assert all(0 <= r["save_blocking_s"] <= r["save_total_s"] for r in saved)
+
+
+def test_save_due_by_steps_seconds_and_final(small_cfg, monkeypatch):
+    from jaxtrain import checkpoint as mod
+    clock = [1000.0]
+    monkeypatch.setattr(mod.time, "monotonic", lambda: clock[0])
+    ckpt = ckptlib.Checkpointer.__new__(ckptlib.Checkpointer)
+    ckpt.options = small_cfg("checkpoint.every=10", "checkpoint.every_seconds=60").checkpoint
+    ckpt._last_save_time, ckpt._last_step = 1000.0, None
+    assert [s for s in range(1, 25) if ckpt.due(s)] == [10, 20]
+    clock[0] = 1059.9
+    assert not ckpt.due(21)
+    clock[0] = 1060.0
+    assert ckpt.due(21) and ckpt.due(23, final=True)
+    ckpt._last_step = 23
+    assert not ckpt.due(23, final=True)  # already saved at this step

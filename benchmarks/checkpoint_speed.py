@@ -46,7 +46,8 @@ def blocking_vs_step(data: str, steps: int, workdir: Path) -> None:
     block = [r["save_blocking_s"] for r in saves[1:]]  # the first save includes one-off set-up
     total = [r["save_total_s"] for r in saves[1:]]
     state_mb = sum(x.nbytes for x in jax.tree_util.tree_leaves(result.state)) / 1e6
-    print(f"shakespeare_char ({state_mb:.1f} MB of state, 1 device): median step {1e3 * statistics.median(times):.1f} ms; "
+    print(f"shakespeare_char ({state_mb:.1f} MB of state, 1 device): median step "
+          f"{1e3 * statistics.median(times):.1f} ms; "
           f"async save blocks the loop for median {1e3 * statistics.median(block):.1f} ms "
           f"(first save {1e3 * saves[0]['save_blocking_s']:.0f} ms), completes in median "
           f"{1e3 * statistics.median(total):.0f} ms; {len(saves)} saves")

@@ -94,14 +94,24 @@ def run_trials(trials: int, workdir: Path, data: str, steps: int = 40, seed: int
     reference = dict(losses(ref_dir))
     assert sorted(reference) == list(range(1, steps + 1)), sorted(reference)
 
-    run_dir, failures, during_save, completed_runs, kills = workdir / "trial", [], 0, 0, 0
+    run_dir, failures, during_save, completed_runs, kills, rows_checked = workdir / "trial", [], 0, 0, 0, 0
+
+    def check_rows() -> int:
+        """Every loss row of the series (all processes) must equal the reference at its step."""
+        rows = losses(run_dir)
+        bad = [(s, v, reference[s]) for s, v in rows if v != reference[s]]
+        if bad:
+            failures.append(f"{len(bad)} loss rows differ from the reference, e.g. {bad[:3]}")
+        return len(rows)
+
     times = [json.loads(line)["time"] for line in (ref_dir / "metrics.jsonl").read_text().splitlines()]
     window = times[-1] - times[0]
     log(f"reference: {steps} steps in {ref_time:.1f} s, {window:.1f} s of it training (and saving)")
     for trial in range(trials + 1):
         last = trial == trials  # the final start runs to completion
         expected = committed(run_dir)
-        if expected and expected[-1] == steps:  # finished earlier: start a fresh series
+        if expected and expected[-1] == steps:  # finished earlier: check it, start a fresh series
+            rows_checked += check_rows()
             shutil.rmtree(run_dir)
             completed_runs += 1
             expected = []
@@ -152,13 +162,12 @@ def run_trials(trials: int, workdir: Path, data: str, steps: int = 40, seed: int
         log(f"trial {trial:>2}: {'SIGKILL ' + when if killed else 'ran to completion'}; "
             f"resumed from {want}; committed now {committed(run_dir)}; "
             f"uncommitted left {leftovers or '-'} | {status}")
-    bad_rows = [(s, v, reference[s]) for s, v in losses(run_dir) if v != reference[s]]
-    if bad_rows:
-        failures.append(f"{len(bad_rows)} loss rows differ from the reference, e.g. {bad_rows[:3]}")
+    rows_checked += check_rows()
     if committed(run_dir)[-1:] != [steps]:
         failures.append(f"the final run did not complete: committed {committed(run_dir)}")
-    summary = {"trials": trials, "sigkills": kills, "killed_during_save": during_save, "completed_series": completed_runs,
-               "loss_rows_checked": len(losses(run_dir)), "failures": failures}
+    summary = {"trials": trials, "sigkills": kills, "killed_during_save": during_save,
+               "completed_series": completed_runs,
+               "loss_rows_checked": rows_checked, "failures": failures}
     log(json.dumps(summary))
     return summary
 

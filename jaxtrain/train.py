@@ -155,7 +155,8 @@ def run(cfg: Config, devices: Optional[Sequence[jax.Device]] = None, quiet: bool
                 tps = tokens_per_step / dt
                 row = {"step": s, "loss": float(m["loss"]), "lr": float(m["lr"]),
                        "grad_norm": float(m["grad_norm"]), "tokens_per_sec": tps, "step_time_s": dt,
-                       "mfu": (tps * fpt / peak) if peak else None, "nonfinite_steps": result.nonfinite_steps + int(m["nonfinite"])}
+                       "mfu": (tps * fpt / peak) if peak else None,
+                       "nonfinite_steps": result.nonfinite_steps + int(m["nonfinite"])}
                 record(row)
                 out.log_train(row)
                 t_last, s_last = time.perf_counter(), s

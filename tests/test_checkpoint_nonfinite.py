@@ -54,5 +54,6 @@ def test_too_many_nonfinite_steps_stop_the_run(small_cfg, monkeypatch, capsys):
     state, _ = ckpt.restore(6, ckptlib.abstract_like(jax.eval_shape(trainer.init), trainer.state_shardings))
     assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree_util.tree_leaves(state["params"]))
     ckpt.close()
-    assert trainlib.main(["--config", cfg.run.dir + "/config.yaml", "mesh.data=-1"]) == 3  # resumes at 6, fails again: exit 3
+    # The CLI resumes at 6 (on 8 devices now), fails the same way, exit code 3.
+    assert trainlib.main(["--config", cfg.run.dir + "/config.yaml", "mesh.data=-1"]) == 3
     assert "train.max_nonfinite_steps: 3 steps in a row (steps 7..9)" in capsys.readouterr().err

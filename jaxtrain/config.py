@@ -114,6 +114,7 @@ class TrainConfig(_Section):
     sample_prompt: str = "def "
     sample_temperature: float = 0.8
     peak_tflops: Optional[float] = None  # per-device peak override for MFU
+    max_nonfinite_steps: int = 10  # stop after this many skipped (non-finite) steps in a row
 
 
 class CheckpointConfig(_Section):
@@ -121,6 +122,14 @@ class CheckpointConfig(_Section):
     every: int = 100
     keep: int = 3
     async_save: bool = True
+    every_seconds: Optional[float] = None  # also save when this many seconds passed since the last save
+    keep_best: int = 0  # also keep the best K checkpoints by best_metric (an eval metric, e.g. val_loss)
+    best_metric: str = "val_loss"
+    best_mode: Literal["min", "max"] = "min"
+    keep_period: Optional[int] = None  # keep every step divisible by this forever
+    grace_period_s: float = 30.0  # SIGTERM/SIGINT: finish the step, save, commit, exit 0 within this
+    dir: Optional[str] = None  # local path, gs://bucket/path or s3://bucket/path; default RUN_DIR/checkpoints
+    s3_endpoint: Optional[str] = None  # S3-compatible endpoint URL; default $AWS_ENDPOINT_URL, else AWS
 
 
 class RunConfig(_Section):
@@ -170,6 +179,14 @@ def check_consistency(cfg: Config) -> None:
     _positive("data.seq_len", cfg.data.seq_len)
     _positive("checkpoint.every", cfg.checkpoint.every)
     _positive("checkpoint.keep", cfg.checkpoint.keep)
+    c = cfg.checkpoint
+    for key in ("every_seconds", "keep_period", "grace_period_s"):
+        if getattr(c, key) is not None:
+            _positive(f"checkpoint.{key}", getattr(c, key))
+    if c.keep_best < 0:
+        raise ConfigError(f"checkpoint.keep_best: must be >= 0, got {c.keep_best}")
+    if t.max_nonfinite_steps < 1:
+        raise ConfigError(f"train.max_nonfinite_steps: must be >= 1, got {t.max_nonfinite_steps}")
     if m.vocab_size < 0:
         raise ConfigError(f"model.vocab_size: must be >= 0 (0 = from tokenizer), got {m.vocab_size}")
     if m.d_model % m.n_heads:

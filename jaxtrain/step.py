@@ -167,8 +167,15 @@ def build(cfg: Config, mesh: Mesh, rules: Rules, vocab_size: int) -> Trainer:
             grads = jax.lax.with_sharding_constraint(grads, param_sh)
             updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
             params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
-                   "lr": lr_schedule(cfg)(state["step"])}
+            # Non-finite guard: a step with a NaN/inf loss or gradient keeps params and optimizer
+            # state as they were (the step counter and data still advance) and is counted.
+            grad_norm = optax.tree.norm(grads)
+            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+            keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+            params = jax.tree_util.tree_map(keep, params, state["params"])
+            opt_state = jax.tree_util.tree_map(keep, opt_state, state["opt_state"])
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(cfg)(state["step"]),
+                   "nonfinite": (~finite).astype(jnp.int32)}
         new_state = {"params": params, "opt_state": opt_state, "step": state["step"] + 1, "rng": state["rng"]}
         return new_state, metrics
 

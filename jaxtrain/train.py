@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from jaxtrain import checkpoint as ckptlib
+from jaxtrain import preempt
 from jaxtrain import data as datalib
 from jaxtrain import flops, memory, rundir, step as steplib, tokenizer as toklib
 from jaxtrain.config import Config, ConfigError, check_against_mesh, load
@@ -31,6 +32,10 @@ from jaxtrain.sample import generate
 USER_ERRORS = (ConfigError, toklib.DataError, ShardingError, ckptlib.CheckpointError)
 
 
+class NonFiniteError(RuntimeError):
+    """``train.max_nonfinite_steps`` steps in a row had a non-finite loss or gradient."""
+
+
 @dataclass
 class RunResult:
     run_dir: Path
@@ -39,6 +44,8 @@ class RunResult:
     sample: str = ""
     start_step: int = 0
     compile_s: float = 0.0
+    preempted: str = ""  # the signal name when the run stopped early on SIGTERM/SIGINT
+    nonfinite_steps: int = 0  # steps skipped by the non-finite guard in this process
     state: object = None  # the final train state (for tests and notebooks)
 
     @property
@@ -80,14 +87,32 @@ def run(cfg: Config, devices: Optional[Sequence[jax.Device]] = None, quiet: bool
     for line in corpus.info:
         out.info(line)
 
-    ckpt = ckptlib.Checkpointer(cfg, run_dir) if cfg.checkpoint.enabled else None
+    metrics_out = rundir.MetricsWriter(run_dir)
+    result = RunResult(run_dir=run_dir)
+
+    def record(row: dict) -> None:
+        metrics_out.write(row)
+        result.rows.append(row)
+
+    def on_checkpoint(row: dict) -> None:
+        record(row)
+        if "checkpoint_failed" in row:
+            out.info(f"[red]checkpoint save at step {row['step']} failed: {row['checkpoint_failed']}; "
+                     f"latest committed step: {row['latest_committed']}")
+
+    ckpt = ckptlib.Checkpointer(cfg, run_dir, dict(mesh.shape), on_checkpoint) if cfg.checkpoint.enabled else None
+    if ckpt and ckpt.removed:
+        out.info(f"removed uncommitted checkpoint directories: {', '.join(ckpt.removed)}")
     batches = corpus.iterator(trainer.batch_sharding)
     latest = ckpt.latest_step() if ckpt else None
     if latest is not None:
         abstract = ckptlib.abstract_like(jax.eval_shape(trainer.init), trainer.state_shardings)
         state, data_state = ckpt.restore(latest, abstract)
-        batches.set_state(data_state)
-        out.info(f"resumed from {ckpt.directory}/{latest}")
+        if data_state:  # empty for an imported checkpoint (jaxtrain.export --import)
+            batches.set_state(data_state)
+        saved_mesh = ckpt.saved_mesh(latest)
+        resharded = f" (resharded from mesh {saved_mesh})" if saved_mesh and saved_mesh != dict(mesh.shape) else ""
+        out.info(f"resumed from {ckpt.store.url}/{latest}{resharded}")
     else:
         state = trainer.init()
     start = int(jax.device_get(state["step"]))
@@ -102,15 +127,12 @@ def run(cfg: Config, devices: Optional[Sequence[jax.Device]] = None, quiet: bool
     out.info(f"mesh {describe(mesh)} | rules {rules.name} | params {n_params / 1e6:.2f}M | vocab {vocab} "
              f"| {fpt / 1e6:.1f} MFLOP/token | peak {('%.1f TFLOP/s' % (peak / 1e12)) if peak else 'n/a'} "
              f"({peak_src})")
-    result = RunResult(run_dir=run_dir, start_step=start)
-    metrics_out = rundir.MetricsWriter(run_dir)
-
-    def record(row: dict) -> None:
-        metrics_out.write(row)
-        result.rows.append(row)
+    result.start_step = start
 
     compiled = None
-    with out.progress(start):
+    last_eval: dict = {}
+    bad_run, prev_flag = 0, None  # consecutive non-finite steps; the previous step's flag (read one step late)
+    with preempt.Preemption(cfg.checkpoint.grace_period_s) as stop, out.progress(start):
         t_last, s_last = time.perf_counter(), start
         for s in range(start + 1, cfg.train.steps + 1):
             batch = next(batches)
@@ -124,6 +146,12 @@ def run(cfg: Config, devices: Optional[Sequence[jax.Device]] = None, quiet: bool
                     out.warn_table("sharding.allow_fallback replicated these dimensions", rules.fallbacks)
                 t_last = time.perf_counter()
             state, m = compiled(state, batch)
+            # Read the previous step's flag now, so the host never waits on the step just dispatched.
+            if prev_flag is not None:
+                bad_run = _check_nonfinite(int(prev_flag), bad_run, s - 1, cfg, ckpt, result)
+            prev_flag = m["nonfinite"]
+            if s == cfg.train.steps:
+                bad_run = _check_nonfinite(int(prev_flag), bad_run, s, cfg, ckpt, result)
             if s % cfg.train.log_every == 0 or s == cfg.train.steps:
                 m = jax.device_get(m)  # the only host sync in the loop
                 now = time.perf_counter()
@@ -131,18 +159,39 @@ def run(cfg: Config, devices: Optional[Sequence[jax.Device]] = None, quiet: bool
                 tps = tokens_per_step / dt
                 row = {"step": s, "loss": float(m["loss"]), "lr": float(m["lr"]),
                        "grad_norm": float(m["grad_norm"]), "tokens_per_sec": tps, "step_time_s": dt,
-                       "mfu": (tps * fpt / peak) if peak else None}
+                       "mfu": (tps * fpt / peak) if peak else None,
+                       "nonfinite_steps": result.nonfinite_steps + int(m["nonfinite"])}
                 record(row)
                 out.log_train(row)
                 t_last, s_last = time.perf_counter(), s
             if s % cfg.train.eval_every == 0 or s == cfg.train.steps:
                 record({"step": s, "val_loss": evaluate(trainer, state["params"], val, val_counts)})
                 out.log_eval(result.rows[-1])
+                last_eval = {"step": s, "val_loss": result.rows[-1]["val_loss"]}
+            stopping = stop.requested
+            if ckpt and (stopping or ckpt.due(s, final=s == cfg.train.steps)):
+                if cfg.checkpoint.keep_best and last_eval.get("step") != s:  # best-K needs this step's metric
+                    last_eval = {"step": s, "val_loss": evaluate(trainer, state["params"], val, val_counts)}
+                    record(dict(last_eval))
+                metrics = {k: v for k, v in last_eval.items() if k != "step"} if last_eval.get("step") == s else {}
+                ckpt.save(s, state, batches.get_state(), metrics)
             if ckpt:
-                ckpt.maybe_save(s, state, batches.get_state(), force=s == cfg.train.steps)
+                ckpt.poll()
             out.advance(s)
+            if stopping:
+                if ckpt:
+                    ckpt.wait()
+                stop.finished()
+                result.preempted = stop.name
+                out.info(f"{stop.name}: stopped after step {s}; checkpoint "
+                         f"{'committed' if ckpt and ckpt.latest_step() == s else 'NOT saved'}; rerun to resume")
+                break
     if ckpt:
         ckpt.close()
+    if result.preempted:
+        metrics_out.close()
+        result.state = state
+        return result
     evals = [r["val_loss"] for r in result.rows if "val_loss" in r]
     result.val_loss = evals[-1] if evals else evaluate(trainer, state["params"], val, val_counts)
     prompt = corpus.tokenizer.encode(cfg.train.sample_prompt)
@@ -155,6 +204,24 @@ def run(cfg: Config, devices: Optional[Sequence[jax.Device]] = None, quiet: bool
     result.state = state
     out.final(result.val_loss, int(corpus.val["inputs"].shape[0]), result.sample)
     return result
+
+
+def _check_nonfinite(flag: int, bad_run: int, step: int, cfg: Config, ckpt, result: RunResult) -> int:
+    """Counts a skipped step; raises NonFiniteError after ``train.max_nonfinite_steps`` in a row."""
+    if not flag:
+        return 0
+    result.nonfinite_steps += 1
+    bad_run += 1
+    if bad_run >= cfg.train.max_nonfinite_steps:
+        last = None
+        if ckpt:
+            ckpt.wait()  # a save already started holds unchanged params: let it commit
+            last = ckpt.latest_step()
+        raise NonFiniteError(
+            f"train.max_nonfinite_steps: {bad_run} steps in a row (steps {step - bad_run + 1}..{step}) had a "
+            f"non-finite loss or gradient and were skipped; stopping. The last good checkpoint is "
+            + (f"step {last} in {ckpt.store.url}" if last is not None else "none (no checkpoint saved)"))
+    return bad_run
 
 
 def parse_args(argv: Sequence[str]) -> tuple[Optional[str], list[str]]:
@@ -187,6 +254,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except NonFiniteError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 3
     return 0
 
 

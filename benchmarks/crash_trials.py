@@ -1,0 +1,190 @@
+"""Crash trials: SIGKILL the trainer at random moments, resume, and check nothing was lost or corrupted.
+
+    python benchmarks/crash_trials.py --trials 20 [--seed 0] [--workdir DIR] [--data FILE]
+
+One uninterrupted reference run gives the loss at every step. Then each trial
+starts (or resumes) the same command in one run directory, kills it with
+SIGKILL after a random delay (saves happen every 2 steps, so many kills land
+during an async save), reads which steps are committed, and checks that the
+next start resumes from exactly the latest committed step. When a run
+completes, the directory is reset. At the end every loss row written by every
+process must equal the reference loss at that step, bit for bit. Prints one
+line per trial and a summary; exit code 1 on any failure.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SMALL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
+         "data.tokenizer=byte", "data.seq_len=32", "train.global_batch=8", "train.log_every=1",
+         "train.eval_every=1000", "train.eval_batches=2", "train.sample_tokens=8", "optimizer.warmup_steps=5",
+         "run.progress=false", "mesh.data=1", "checkpoint.every=2", "checkpoint.keep=2"]
+
+
+def command(run_dir: Path, data: str, steps: int) -> list[str]:
+    return [sys.executable, "-m", "jaxtrain.train", *SMALL, f"data.path={data}", f"train.steps={steps}",
+            f"run.dir={run_dir}"]
+
+
+def environment() -> dict:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    env["JAX_PLATFORMS"] = "cpu"
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", str(REPO / ".jax_cache"))
+    return env
+
+
+def committed(run_dir: Path) -> list[int]:
+    """Steps with a valid commit marker (read directly: the same rule as jaxtrain.checkpoint)."""
+    out = []
+    ck = run_dir / "checkpoints"
+    for p in ck.iterdir() if ck.is_dir() else []:
+        if p.name.isdigit():
+            try:
+                if json.loads((p / "COMMIT.json").read_text()).get("step") == int(p.name):
+                    out.append(int(p.name))
+            except (OSError, ValueError):
+                pass
+    return sorted(out)
+
+
+def uncommitted(run_dir: Path) -> list[str]:
+    ck = run_dir / "checkpoints"
+    return sorted(p.name for p in ck.iterdir() if p.name[0].isdigit() and not (
+        p.name.isdigit() and int(p.name) in committed(run_dir))) if ck.is_dir() else []
+
+
+def losses(run_dir: Path) -> list[tuple[int, float]]:
+    path = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return [(r["step"], r["loss"]) for r in rows if "loss" in r]
+
+
+def _kill_after(proc: subprocess.Popen, delay: float) -> None:
+    try:
+        proc.wait(timeout=delay)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGKILL)
+
+
+def run_trials(trials: int, workdir: Path, data: str, steps: int = 40, seed: int = 0,
+               log=print) -> dict:
+    """Runs the trials; returns a summary dict (``failures`` lists what went wrong)."""
+    rng = random.Random(seed)
+    env = environment()
+    ref_dir = workdir / "reference"
+    t0 = time.monotonic()
+    ref = subprocess.run(command(ref_dir, data, steps), env=env, cwd=REPO, capture_output=True, text=True)
+    ref_time = time.monotonic() - t0
+    if ref.returncode:
+        raise RuntimeError(f"reference run failed:\n{ref.stderr[-3000:]}")
+    reference = dict(losses(ref_dir))
+    assert sorted(reference) == list(range(1, steps + 1)), sorted(reference)
+
+    run_dir, failures, during_save, completed_runs, kills, rows_checked = workdir / "trial", [], 0, 0, 0, 0
+
+    def check_rows() -> int:
+        """Every loss row of the series (all processes) must equal the reference at its step."""
+        rows = losses(run_dir)
+        bad = [(s, v, reference[s]) for s, v in rows if v != reference[s]]
+        if bad:
+            failures.append(f"{len(bad)} loss rows differ from the reference, e.g. {bad[:3]}")
+        return len(rows)
+
+    times = [json.loads(line)["time"] for line in (ref_dir / "metrics.jsonl").read_text().splitlines()]
+    window = times[-1] - times[0]
+    log(f"reference: {steps} steps in {ref_time:.1f} s, {window:.1f} s of it training (and saving)")
+    for trial in range(trials + 1):
+        last = trial == trials  # the final start runs to completion
+        expected = committed(run_dir)
+        if expected and expected[-1] == steps:  # finished earlier: check it, start a fresh series
+            rows_checked += check_rows()
+            shutil.rmtree(run_dir)
+            completed_runs += 1
+            expected = []
+        proc = subprocess.Popen(command(run_dir, data, steps), env=env, cwd=REPO, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        lines, training = [], threading.Event()
+
+        def read():
+            for line in proc.stdout:
+                lines.append(line)
+                if line.startswith("step "):
+                    training.set()
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        if last:
+            proc.wait()
+        elif rng.random() < 0.2:  # some kills during start-up, restore or compile
+            delay = rng.uniform(0.5, 4.0)
+            when = f"{delay:.1f} s after start"
+            _kill_after(proc, delay)
+        else:  # most during training, where every other step starts an async save
+            training.wait(timeout=300)
+            t_train = time.monotonic()
+            delay = rng.uniform(0.0, window)
+            when = f"{delay:.2f} s into training"
+            _kill_after(proc, delay)
+            if proc.returncode == 0:  # finished first: the machine got faster, aim earlier next time
+                window = 0.8 * (time.monotonic() - t_train)
+        proc.wait()
+        reader.join()
+        out = "".join(lines)
+        killed = proc.returncode == -signal.SIGKILL
+        resumed = re.search(r"resumed from \S+/(\d+)", out)
+        got = int(resumed.group(1)) if resumed else None
+        want = expected[-1] if expected else None
+        if resumed is None and "compiled train step" not in out and killed:
+            got = want  # killed before it got as far as the restore: nothing to check
+        status = "ok"
+        if got != want:
+            status = f"FAIL: resumed from {got}, latest committed was {want}"
+        elif not killed and proc.returncode != 0:
+            status = f"FAIL: exit code {proc.returncode}: {out[-500:]}"
+        leftovers = uncommitted(run_dir)
+        during_save += bool(killed and leftovers)
+        kills += killed
+        if status != "ok":
+            failures.append(f"trial {trial}: {status}")
+        log(f"trial {trial:>2}: {'SIGKILL ' + when if killed else 'ran to completion'}; "
+            f"resumed from {want}; committed now {committed(run_dir)}; "
+            f"uncommitted left {leftovers or '-'} | {status}")
+    rows_checked += check_rows()
+    if committed(run_dir)[-1:] != [steps]:
+        failures.append(f"the final run did not complete: committed {committed(run_dir)}")
+    summary = {"trials": trials, "sigkills": kills, "killed_during_save": during_save,
+               "completed_series": completed_runs,
+               "loss_rows_checked": rows_checked, "failures": failures}
+    log(json.dumps(summary))
+    return summary
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--trials", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--data", default=str(Path(os.environ.get("JAXTRAIN_SHARED", REPO.parent / "shared"))
+                                              / "data" / "tinyshakespeare.txt"))
+    args = parser.parse_args()
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="crash_trials_"))
+    summary = run_trials(args.trials, workdir, args.data, args.steps, args.seed)
+    return 1 if summary["failures"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

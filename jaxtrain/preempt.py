@@ -1,0 +1,78 @@
+"""Preemption: SIGTERM/SIGINT ask the train loop to stop after the current step.
+
+The handler only sets a flag; the loop finishes the step it is on, saves a
+checkpoint, waits for it to commit and returns, so the process exits 0. A
+watchdog started by the first signal ends the process (exit code
+:data:`GRACE_EXPIRED_EXIT`) if that has not happened within the grace
+period, so a scheduler's SIGKILL never lands on a half-written save that we
+believed would finish. A second SIGINT (Ctrl-C twice) raises
+KeyboardInterrupt at once. Committed checkpoints are never affected: an
+interrupted save has no commit marker and is ignored on restart.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Optional
+
+GRACE_EXPIRED_EXIT = 75  # EX_TEMPFAIL: the job may be retried
+
+
+class Preemption:
+    """Context manager installing the handlers (main thread only; elsewhere it never fires)."""
+
+    def __init__(self, grace_period_s: float = 30.0, signals=(signal.SIGTERM, signal.SIGINT)):
+        self.grace_period_s = grace_period_s
+        self.signals = tuple(signals)
+        self.signum: Optional[int] = None
+        self.received_at: Optional[float] = None
+        self._previous: dict = {}
+        self._done = threading.Event()
+
+    def __enter__(self) -> "Preemption":
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.signals:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        if self.signum is None:
+            self.signum, self.received_at = signum, time.monotonic()
+            threading.Thread(target=self._watchdog, name="jaxtrain-preempt-watchdog", daemon=True).start()
+
+    def _watchdog(self) -> None:
+        if not self._done.wait(self.grace_period_s):
+            print(f"error: checkpoint.grace_period_s={self.grace_period_s:g} s passed after "
+                  f"{signal.Signals(self.signum).name} before the checkpoint committed; exiting "
+                  f"(the latest committed checkpoint is intact)", file=sys.stderr, flush=True)
+            os._exit(GRACE_EXPIRED_EXIT)
+
+    @property
+    def requested(self) -> bool:
+        """True once a signal arrived on any process (an all-process agreement when multi-host)."""
+        flag = self.signum is not None
+        import jax
+        if jax.process_count() > 1:
+            import numpy as np
+            from jax.experimental import multihost_utils
+            flag = bool(np.any(multihost_utils.process_allgather(np.array(flag))))
+        return flag
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum is not None else ""
+
+    def finished(self) -> None:
+        """The save committed: stop the watchdog."""
+        self._done.set()

@@ -1,0 +1,90 @@
+"""HF Llama safetensors export and import: names, layouts, config.json, exact round trip, no pickle."""
+import json
+
+import jax
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+from jaxtrain import checkpoint as ckptlib
+from jaxtrain import export as exportlib
+from jaxtrain import rundir, step as steplib
+from jaxtrain.config import ConfigError
+from jaxtrain.mesh import build_mesh
+from jaxtrain.partitioning import Rules
+
+
+def saved_run(cfg, devices, step=3):
+    """A run dir whose committed checkpoint ``step`` holds freshly initialised (random) params."""
+    trainer = steplib.build(cfg, build_mesh(cfg.mesh, devices), Rules.load("fsdp_tp"), 256)
+    state = trainer.init()
+    run_dir = rundir.prepare(cfg)
+    ckpt = ckptlib.Checkpointer(cfg, run_dir)
+    ckpt.save(step, state, {})
+    ckpt.close()
+    return run_dir, jax.device_get(state["params"])
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_export_names_layouts_and_exact_round_trip(small_cfg, tmp_path, tied):
+    extra = ("model.vocab_size=256", f"model.tie_embeddings={str(tied).lower()}")
+    cfg = small_cfg(*extra, "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2", "model.param_dtype=bfloat16")
+    run_dir, params = saved_run(cfg, jax.devices()[:4])
+    out = tmp_path / "hf"
+    assert exportlib.main([str(run_dir), "--step", "3", "--format", "safetensors", str(out)]) == 0
+
+    hf = json.loads((out / "config.json").read_text())
+    assert hf == {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256,
+                  "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                  "num_key_value_heads": 2, "head_dim": 16, "hidden_act": "silu", "max_position_embeddings": 32,
+                  "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": tied,
+                  "attention_bias": False, "mlp_bias": False, "initializer_range": 0.02, "torch_dtype": "bfloat16"}
+    with safe_open(str(out / exportlib.WEIGHTS_FILE), "flax") as f:
+        names = set(f.keys())
+        t = {n: np.asarray(f.get_tensor(n).astype("float32")) for n in names}
+        assert f.get_tensor("model.layers.0.self_attn.q_proj.weight").dtype == "bfloat16"
+    assert names == set(exportlib.hf_shapes(cfg, 256)) and ("lm_head.weight" in names) == (not tied)
+    assert len(names) == 2 + 9 * 2 + (not tied)
+    f32 = lambda x: np.asarray(x).astype(np.float32)  # noqa: E731
+    wq, wk, wo = (f32(params["layers"][1]["attn"][k]) for k in ("wq", "wk", "wo"))
+    # torch Linear [out, in]: q_proj row h*16+j is head h, dim j.
+    np.testing.assert_array_equal(t["model.layers.1.self_attn.q_proj.weight"][2 * 16 + 5], wq[:, 2, 5])
+    np.testing.assert_array_equal(t["model.layers.1.self_attn.k_proj.weight"].shape, (32, 64))
+    np.testing.assert_array_equal(t["model.layers.1.self_attn.k_proj.weight"][16 + 3], wk[:, 1, 3])
+    np.testing.assert_array_equal(t["model.layers.1.self_attn.o_proj.weight"][:, 3 * 16 + 7], wo[3, 7, :])
+    np.testing.assert_array_equal(t["model.layers.0.mlp.down_proj.weight"],
+                                  f32(params["layers"][0]["mlp"]["w_down"]).T)
+    np.testing.assert_array_equal(t["model.layers.0.post_attention_layernorm.weight"],
+                                  f32(params["layers"][0]["mlp_norm"]["scale"]))
+    np.testing.assert_array_equal(t["model.embed_tokens.weight"], f32(params["embed"]["embedding"]))
+    if not tied:
+        np.testing.assert_array_equal(t["lm_head.weight"], f32(params["lm_head"]).T)
+
+    # Import into a new run on another mesh: step 0 holds exactly the same params.
+    cfg2 = small_cfg(*extra, "mesh.data=1", "mesh.fsdp=8", "model.param_dtype=bfloat16", run_dir="imported")
+    exportlib.import_hf(out, cfg2)
+    ckpt = ckptlib.Checkpointer(cfg2, cfg2.run.dir)
+    assert list(ckpt.committed()) == [0]
+    trainer = steplib.build(cfg2, build_mesh(cfg2.mesh), Rules.load("fsdp_tp"), 256)
+    state, _ = ckpt.restore(0, ckptlib.abstract_like(jax.eval_shape(trainer.init), trainer.state_shardings))
+    ckpt.close()
+    got = jax.device_get(state["params"])
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(params)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(params)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert int(state["step"]) == 0
+
+
+def test_import_into_a_different_model_lists_every_problem(small_cfg, tmp_path):
+    cfg = small_cfg("model.vocab_size=256", "mesh.data=1")
+    run_dir, _ = saved_run(cfg, jax.devices()[:1])
+    exportlib.export(run_dir, tmp_path / "hf")
+    wrong = small_cfg("model.vocab_size=256", "model.d_ff=96", "model.n_layers=3", run_dir="wrong")
+    with pytest.raises(ConfigError) as err:
+        exportlib.import_hf(tmp_path / "hf", wrong)
+    lines = str(err.value).splitlines()
+    assert lines[0] == "model: the safetensors do not fit this model config:"
+    assert "  model.layers.0.mlp.down_proj.weight: shape (64, 128), expected (64, 96)" in lines
+    assert "  model.layers.2.self_attn.q_proj.weight: missing (expected (64, 64))" in lines
+    assert len(lines) == 1 + 3 * 2 + 9  # gate/up/down of 2 layers wrong, all 9 of layer 2 missing

@@ -81,11 +81,6 @@ def logical_axes(var: nnx.Variable) -> tuple:
     return tuple(var.get_metadata()["axes"])
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy. logits [b, t, vocab] f32, targets [b, t] int32."""
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-
-
 def masked_cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array, denom: jax.Array) -> jax.Array:
     """sum(cross-entropy * mask) / denom. logits [b, t, vocab] f32; targets, mask [b, t] int32; denom f32."""
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)

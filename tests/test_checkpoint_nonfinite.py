@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from jaxtrain import checkpoint as ckptlib
-from jaxtrain import data as datalib
+from jaxtrain.data import windows as windowslib
 from jaxtrain import step as steplib
 from jaxtrain import train as trainlib
 from jaxtrain.mesh import build_mesh
@@ -33,11 +33,11 @@ def test_nonfinite_step_keeps_params_and_opt_state(small_cfg):
 
 def test_too_many_nonfinite_steps_stop_the_run(small_cfg, monkeypatch, capsys):
     """Batches from step 5 on carry token 255 and a loss that is NaN on it (fault injection)."""
-    train_dataset, cross_entropy = datalib.train_dataset, steplib.cross_entropy
-    monkeypatch.setattr(datalib, "train_dataset", lambda *a: train_dataset(*a).map_with_index(
+    train_dataset, cross_entropy = windowslib.train_dataset, steplib.masked_cross_entropy
+    monkeypatch.setattr(windowslib, "train_dataset", lambda *a: train_dataset(*a).map_with_index(
         lambda i, b: np.full_like(b, 255) if i >= 4 else b))
-    monkeypatch.setattr(steplib, "cross_entropy", lambda logits, targets: cross_entropy(logits, targets) + jnp.where(
-        jnp.any(targets == 255), jnp.nan, 0.0))
+    monkeypatch.setattr(steplib, "masked_cross_entropy", lambda logits, targets, *rest: cross_entropy(
+        logits, targets, *rest) + jnp.where(jnp.any(targets == 255), jnp.nan, 0.0))
     cfg = small_cfg("train.steps=20", "checkpoint.every=3", "train.max_nonfinite_steps=3", "mesh.data=1")
     with pytest.raises(trainlib.NonFiniteError) as err:
         trainlib.run(cfg, devices=jax.devices()[:1], quiet=True)

@@ -50,7 +50,7 @@ def test_ring_training_matches_single_device(small_cfg, corpus_path):
               "ring": (("mesh.data=2", "mesh.sequence=4", "model.attention=ring"), "sp", jax.devices())}
     losses = {}
     for name, (overrides, rules, devices) in setups.items():
-        cfg = small_cfg(*overrides, "sharding.rules=" + rules)
+        cfg = small_cfg(*overrides, "model.n_layers=1", "sharding.rules=" + rules)
         check_against_mesh(cfg, resolve_sizes(cfg.mesh, len(devices)), devices[0].platform)
         trainer = steplib.build(cfg, build_mesh(cfg.mesh, devices), Rules.load(rules), 256)
         state, losses[name] = trainer.init(), []

@@ -22,6 +22,7 @@ from jaxtrain.kernels.flash_common import (FlashParams, block_mask, finalize, kv
                                            online_softmax_update, q_block_range, run_flash, safe_lse)
 
 F32 = jnp.float32
+# Positions come from 1-D aranges (broadcast), the simplest form for the Triton lowering.
 
 
 def _dot(a, b):  # a [m, k] @ b [k, n], f32 accumulation
@@ -40,7 +41,7 @@ def _fwd_kernel(qseg_ref, kvseg_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, p: 
     bq, bk = p.block_q, p.block_k
     i = pl.program_id(2)
     q = q_ref[...]
-    q_pos = i * bq + lax.broadcasted_iota(jnp.int32, (bq, 1), 0) + p.offset
+    q_pos = i * bq + jnp.arange(bq, dtype=jnp.int32)[:, None] + p.offset
     q_seg = qseg_ref[...][:, None]
 
     def body(j, carry):
@@ -48,7 +49,7 @@ def _fwd_kernel(qseg_ref, kvseg_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, p: 
         start = pl.multiple_of(j * bk, bk)
         k = k_ref[pl.ds(start, bk), :]
         v = v_ref[pl.ds(start, bk), :]
-        kv_pos = start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+        kv_pos = start + jnp.arange(bk, dtype=jnp.int32)[None, :]
         mask = block_mask(q_pos, kv_pos, q_seg, kvseg_ref[pl.ds(start, bk)][None, :], p)
         s = _dot_t(q, k) * p.scale
         return online_softmax_update(m, l, acc, s, mask, v, _dot)
@@ -67,14 +68,14 @@ def _dq_kernel(qseg_ref, kvseg_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_
     i = pl.program_id(2)
     q, do = q_ref[...], do_ref[...]
     lse, delta = safe_lse(lse_ref[...])[:, None], delta_ref[...][:, None]
-    q_pos = i * bq + lax.broadcasted_iota(jnp.int32, (bq, 1), 0) + p.offset
+    q_pos = i * bq + jnp.arange(bq, dtype=jnp.int32)[:, None] + p.offset
     q_seg = qseg_ref[...][:, None]
 
     def body(j, dq):
         start = pl.multiple_of(j * bk, bk)
         k = k_ref[pl.ds(start, bk), :]
         v = v_ref[pl.ds(start, bk), :]
-        kv_pos = start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+        kv_pos = start + jnp.arange(bk, dtype=jnp.int32)[None, :]
         mask = block_mask(q_pos, kv_pos, q_seg, kvseg_ref[pl.ds(start, bk)][None, :], p)
         prob = jnp.where(mask, jnp.exp(_dot_t(q, k) * p.scale - lse), 0.0)
         ds = prob * (_dot_t(do, v) - delta)
@@ -90,7 +91,7 @@ def _dkdv_kernel(qseg_ref, kvseg_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delt
     bq, bk = p.block_q, p.block_k
     j = pl.program_id(2)
     k, v = k_ref[...], v_ref[...]
-    kv_pos = j * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+    kv_pos = j * bk + jnp.arange(bk, dtype=jnp.int32)[None, :]
     kv_seg = kvseg_ref[...][None, :]
     lo, hi = q_block_range(j, n_q, p)
     dk = jnp.zeros(k.shape, F32)
@@ -103,7 +104,7 @@ def _dkdv_kernel(qseg_ref, kvseg_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delt
             do = do_ref[pl.ds(start, bq), r, :]
             lse = safe_lse(lse_ref[r, pl.ds(start, bq)])[:, None]
             delta = delta_ref[r, pl.ds(start, bq)][:, None]
-            q_pos = start + lax.broadcasted_iota(jnp.int32, (bq, 1), 0) + p.offset
+            q_pos = start + jnp.arange(bq, dtype=jnp.int32)[:, None] + p.offset
             mask = block_mask(q_pos, kv_pos, qseg_ref[pl.ds(start, bq)][:, None], kv_seg, p)
             prob = jnp.where(mask, jnp.exp(_dot_t(q, k) * p.scale - lse), 0.0)
             dv = dv + _t_dot(prob.astype(do.dtype), do)

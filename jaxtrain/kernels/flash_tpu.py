@@ -132,7 +132,7 @@ def _call(kernel, p: FlashParams, **kw):
 
 def _specs(p: FlashParams, g: int):
     """BlockSpecs on the (b, h, i, j) grid: segs, q-like, kv-like, row stats."""
-    bq, bk, d = p.block_q, p.block_k, None
+    bq, bk = p.block_q, p.block_k
     return dict(
         qseg=pl.BlockSpec((None, bq, 1), lambda b, h, i, j: (b, i, 0)),
         kvseg=pl.BlockSpec((None, 1, bk), lambda b, h, i, j: (b, 0, j)),

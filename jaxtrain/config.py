@@ -49,7 +49,8 @@ class ModelConfig(_Section):
     tie_embeddings: bool = False
     dtype: Literal["float32", "bfloat16"] = "float32"  # activation/compute dtype
     param_dtype: Literal["float32", "bfloat16"] = "float32"
-    attention: Literal["xla"] = "xla"
+    # auto | xla | cudnn | pallas | ring; see models/attention.py and README "Attention (model.attention)"
+    attention: Literal["auto", "xla", "cudnn", "pallas", "ring"] = "auto"
     init_std: float = 0.02
 
 
@@ -249,19 +250,27 @@ def _mesh_str(mesh: MeshConfig) -> str:
     return ", ".join(f"{a}={getattr(mesh, a)}" for a in MESH_AXES)
 
 
-def check_against_mesh(cfg: Config, axis_sizes: dict[str, int]) -> None:
+def check_against_mesh(cfg: Config, axis_sizes: dict[str, int], platform: Optional[str] = None) -> None:
     """Checks that need the resolved mesh sizes (still before any compile).
 
     Raises:
-      ConfigError: batch not divisible by the batch axes, or heads/kv heads
-        not divisible by the tensor axis.
+      ConfigError: batch not divisible by the batch axes, heads/kv heads not divisible
+        by the tensor axis, ring chunks not dividing the length, or an attention
+        implementation that cannot run on ``platform`` (the devices' platform).
     """
+    if cfg.model.attention == "cudnn" and platform is not None and platform != "gpu":
+        raise ConfigError(f"model.attention: cudnn needs a GPU, the devices are '{platform}' "
+                          "(use auto, xla or pallas)")
     batch_div = axis_sizes["data"] * axis_sizes["fsdp"] * axis_sizes["expert"]
     if cfg.micro_batch % batch_div:
         raise ConfigError(
             f"train.global_batch: micro-batch {cfg.micro_batch} (global_batch {cfg.train.global_batch} / "
             f"grad_accum {cfg.train.grad_accum}) is not divisible by data*fsdp*expert = "
             f"{axis_sizes['data']}*{axis_sizes['fsdp']}*{axis_sizes['expert']} = {batch_div}")
+    seq = axis_sizes["sequence"]
+    if cfg.model.attention == "ring" and cfg.data.seq_len % (2 * seq):
+        raise ConfigError(f"data.seq_len: {cfg.data.seq_len} is not divisible by 2 * mesh.sequence = {2 * seq} "
+                          "(model.attention=ring holds two zig-zag chunks per device)")
     tp = axis_sizes["tensor"]
     for key in ("n_heads", "n_kv_heads"):
         if getattr(cfg.model, key) % tp:

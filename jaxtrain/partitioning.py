@@ -216,3 +216,11 @@ def constrain(x: jax.Array, *logical: Optional[str]) -> jax.Array:
     rules, mesh = active
     spec = rules.spec(f"activation{logical}", logical, x.shape, mesh)
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def active_sharding() -> Optional[tuple[Rules, Mesh]]:
+    """(rules, mesh) of the enclosing :func:`activation_sharding` context, or None.
+
+    For kernels that must run under ``shard_map`` (ring attention); model code never calls it.
+    """
+    return _ACTIVE.get()

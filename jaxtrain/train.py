@@ -70,7 +70,7 @@ def run(cfg: Config, devices: Optional[Sequence[jax.Device]] = None, quiet: bool
       ConfigError, DataError, ShardingError, CheckpointError: bad input, with the key/path named.
     """
     devices = list(devices) if devices is not None else jax.devices()
-    check_against_mesh(cfg, resolve_sizes(cfg.mesh, len(devices)))
+    check_against_mesh(cfg, resolve_sizes(cfg.mesh, len(devices)), devices[0].platform)
     rules = Rules.load(cfg.sharding.rules, cfg.sharding.allow_fallback)
     run_dir = Path(cfg.run.dir).expanduser()
     saved_tok = toklib.load_json(run_dir) if run_dir.is_dir() else None

@@ -3,34 +3,125 @@
 Shapes: q [batch, q_len, heads, head_dim]; k, v [batch, kv_len, kv_heads, head_dim]
 (grouped-query attention when kv_heads < heads); segment_ids [batch, length] int32
 (tokens attend only within their own segment: packed documents). Returns
-[batch, q_len, heads, head_dim] in q's dtype.
+[batch, q_len, heads, head_dim] in q's dtype. Causal masks are bottom-right aligned
+when q_len != kv_len (see jaxtrain/kernels/reference.py).
+
+Implementations (``model.attention``):
+  xla     ``jax.nn.dot_product_attention(implementation='xla')``; any backend.
+  cudnn   ``jax.nn.dot_product_attention(implementation='cudnn')``; GPU only.
+  pallas  our FlashAttention-2 kernels: Triton lowering on GPU, Mosaic on TPU, the GPU
+          kernels in interpret mode on CPU (slow; for tests).
+  ring    ring attention over the mesh axis that shards 'length' (jaxtrain/kernels/ring.py).
+  auto    GPU: cudnn when its constraints hold (bf16/fp16, head_dim <= 128 and % 8 == 0,
+          q_len == kv_len, no segment ids, no window), else pallas; TPU: pallas; CPU: xla.
+          The choice is logged once per distinct choice.
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
+from jaxtrain.kernels import flash_gpu, flash_tpu, reference, ring
 
-def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Optional[jax.Array] = None,
-                  causal: bool = True) -> jax.Array:
-    """``jax.nn.dot_product_attention`` (XLA) with a causal and a same-segment mask."""
+IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas", "ring")
+log = logging.getLogger("jaxtrain.attention")
+_logged: set = set()
+
+
+class AttentionBackendError(ValueError):
+    """An explicit ``model.attention`` choice cannot run on the current backend."""
+
+
+def xla_attention(q, k, v, segment_ids=None, causal=True, window=None):
+    """``jax.nn.dot_product_attention`` (XLA) with the shared mask convention."""
+    mask = None
+    if segment_ids is not None or window is not None or q.shape[1] != k.shape[1]:
+        mask = reference.attention_mask(q.shape[1], k.shape[1], segment_ids, segment_ids, causal, window)
+        return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation="xla")
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla")
+
+
+def cudnn_attention(q, k, v, segment_ids=None, causal=True, window=None):
+    """``jax.nn.dot_product_attention`` through cuDNN (fused flash attention on GPU)."""
     mask = None
     if segment_ids is not None:
-        mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [b, 1, q, kv]
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation="xla")
+        mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+    local = (window - 1, 0 if causal else window - 1) if window is not None else None
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, local_window_size=local,
+                                        implementation="cudnn")
 
 
-IMPLEMENTATIONS = {"xla": xla_attention}
+def pallas_attention(q, k, v, segment_ids=None, causal=True, window=None):
+    """Our FlashAttention-2 kernel for the current backend."""
+    if jax.default_backend() == "tpu":
+        return flash_tpu.flash_attention(q, k, v, segment_ids, causal=causal, window=window)
+    return flash_gpu.flash_attention(q, k, v, segment_ids, causal=causal, window=window)
+
+
+def ring_attention(q, k, v, segment_ids=None, causal=True, window=None):
+    if window is not None:
+        raise ValueError("model.attention=ring: a sliding window is not supported by ring attention")
+    return ring.ring_attention(q, k, v, segment_ids, causal=causal)
+
+
+def cudnn_fits(q, k, segment_ids, window) -> Optional[str]:
+    """None if cuDNN flash attention applies, else the reason it does not."""
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"dtype {q.dtype} (cuDNN needs bf16/fp16)"
+    d = q.shape[-1]
+    if d > 128 or d % 8:
+        return f"head_dim {d} (cuDNN needs <= 128 and a multiple of 8)"
+    if q.shape[1] != k.shape[1]:
+        return "q_len != kv_len"
+    if segment_ids is not None:
+        return "segment_ids (ours masks packed documents without a dense mask)"
+    if window is not None:
+        return "sliding window"
+    return None
+
+
+def choose(implementation: str, q, k, segment_ids=None, window=None, backend: Optional[str] = None) -> str:
+    """Resolves ``auto`` and checks that an explicit choice can run here.
+
+    Raises:
+      AttentionBackendError: cudnn off a GPU; ValueError: an unknown name.
+    """
+    backend = backend or jax.default_backend()
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"model.attention: unknown implementation '{implementation}' "
+                         f"(known: {', '.join(IMPLEMENTATIONS)})")
+    if implementation == "cudnn" and backend != "gpu":
+        raise AttentionBackendError(f"model.attention=cudnn needs a GPU; the backend is '{backend}' "
+                                    "(use auto, xla or pallas)")
+    if implementation != "auto":
+        return implementation
+    if backend == "gpu":
+        why = cudnn_fits(q, k, segment_ids, window)
+        choice, reason = ("cudnn", "cuDNN constraints hold") if why is None else ("pallas", f"not cuDNN: {why}")
+    elif backend == "tpu":
+        choice, reason = "pallas", "TPU"
+    else:
+        choice, reason = "xla", f"backend {backend}"
+    if (choice, reason) not in _logged:
+        _logged.add((choice, reason))
+        log.info("model.attention=auto -> %s (%s)", choice, reason)
+    return choice
+
+
+_FUNCTIONS = {"xla": xla_attention, "cudnn": cudnn_attention, "pallas": pallas_attention, "ring": ring_attention}
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Optional[jax.Array] = None,
-              implementation: str = "xla") -> jax.Array:
-    """Causal attention through the named implementation. Raises ValueError for an unknown name."""
-    try:
-        fn = IMPLEMENTATIONS[implementation]
-    except KeyError:
-        raise ValueError(f"model.attention: unknown implementation '{implementation}' "
-                         f"(known: {', '.join(IMPLEMENTATIONS)})") from None
-    return fn(q, k, v, segment_ids=segment_ids)
+              implementation: str = "auto", *, causal: bool = True, window: Optional[int] = None) -> jax.Array:
+    """Attention through the named implementation (see the module docstring).
+
+    Args:
+      window: sliding-window size in keys (query sees keys with q_pos - k_pos < window), or None.
+    Raises:
+      ValueError: unknown implementation; AttentionBackendError: cudnn off a GPU.
+    """
+    fn = _FUNCTIONS[choose(implementation, q, k, segment_ids, window)]
+    return fn(q, k, v, segment_ids=segment_ids, causal=causal, window=window)

@@ -101,8 +101,10 @@ class Attention(nnx.Module):
         v = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dt))
         q = constrain(rotary(q, positions, cfg.rope_theta), "batch", "length", "heads", "kv")
         # K/V get their own length name: sequence parallelism gathers them over the full length.
-        k = constrain(rotary(k, positions, cfg.rope_theta), "batch", "kv_length", "kv_heads", "kv")
-        v = constrain(v, "batch", "kv_length", "kv_heads", "kv")
+        # Ring attention keeps K/V split like the queries (it rotates them), so no gather.
+        kv_len = "length" if cfg.attention == "ring" else "kv_length"
+        k = constrain(rotary(k, positions, cfg.rope_theta), "batch", kv_len, "kv_heads", "kv")
+        v = constrain(v, "batch", kv_len, "kv_heads", "kv")
         out = attention(q, k, v, segment_ids=segment_ids, implementation=cfg.attention)
         out = constrain(out, "batch", "length", "heads", "kv")
         return jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(dt))

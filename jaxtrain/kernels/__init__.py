@@ -1,0 +1,1 @@
+"""Attention kernels (Pallas flash attention for GPU and TPU, ring attention) and their jnp reference."""

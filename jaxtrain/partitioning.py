@@ -167,6 +167,22 @@ def _parse_table(rules_name: str, raw: dict) -> dict[str, list[Candidate]]:
     return table
 
 
+def check_mesh_used(rules: Rules, axis_sizes: dict[str, int]) -> None:
+    """Every mesh axis of size > 1 must be named by some rule (the batch rule included).
+
+    Raises:
+      ShardingError: e.g. mesh.sequence=8 under a rule set that maps nothing to 'sequence':
+        the devices along that axis would all repeat the same work.
+    """
+    used = rules.mesh_axes() | {a for c in rules.table.get("batch", []) if c for a in c}
+    for axis, size in axis_sizes.items():
+        if size > 1 and axis not in used:
+            raise ShardingError(
+                f"mesh.{axis}={size}: rule set '{rules.name}' maps no logical name to mesh axis '{axis}', so "
+                f"the {size} devices along it would repeat the same work; use a rule set that shards over "
+                f"'{axis}' or set mesh.{axis}=1")
+
+
 def _first_free(cands: list[Candidate], used: dict[str, int]):
     for cand in cands:
         if cand is None or not used.keys() & set(cand):

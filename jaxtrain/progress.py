@@ -9,6 +9,16 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 
+def format_flops(flops_per_s: Optional[float]) -> str:
+    """'1.23 TFLOP/s', '312.0 GFLOP/s' or 'n/a'."""
+    if not flops_per_s:
+        return "n/a"
+    for unit, scale in (("PFLOP/s", 1e15), ("TFLOP/s", 1e12), ("GFLOP/s", 1e9)):
+        if flops_per_s >= scale:
+            return f"{flops_per_s / scale:.1f} {unit}"
+    return f"{flops_per_s:.3g} FLOP/s"
+
+
 class Reporter:
     def __init__(self, quiet: bool, total: int):
         self.console = Console(stderr=False, highlight=False)

@@ -1,13 +1,19 @@
 """Autoregressive sampling from a trained model (no KV cache: small models, short samples)."""
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 import numpy as np
 
 
 def generate(logits_fn, params, prompt_ids: np.ndarray, n_tokens: int, seq_len: int,
-             temperature: float, seed: int) -> np.ndarray:
+             temperature: float, seed: int, banned: tuple[int, ...] = (),
+             vocab_limit: Optional[int] = None) -> np.ndarray:
     """Samples ``n_tokens`` after ``prompt_ids`` with temperature sampling (0 = greedy).
+
+    ``banned`` ids (e.g. <unk>) and ids >= ``vocab_limit`` (padding of model.vocab_size
+    beyond the tokenizer) are never sampled.
 
     The context is a fixed [1, seq_len] buffer so ``logits_fn`` compiles once;
     while the buffer is not full the trailing slots are ignored thanks to the
@@ -23,6 +29,9 @@ def generate(logits_fn, params, prompt_ids: np.ndarray, n_tokens: int, seq_len: 
         ctx = out[-seq_len:]
         buf[0, :len(ctx)] = ctx
         logits = np.asarray(jax.device_get(logits_fn(params, buf)))[0, len(ctx) - 1].astype(np.float64)
+        logits[list(banned)] = -np.inf
+        if vocab_limit is not None:
+            logits[vocab_limit:] = -np.inf
         if temperature <= 0:
             nxt = int(np.argmax(logits))
         else:

@@ -25,8 +25,8 @@ from jaxtrain import flops, memory, rundir, step as steplib, tokenizer as toklib
 from jaxtrain.config import Config, ConfigError, check_against_mesh, load
 from jaxtrain.mesh import build_mesh, describe, resolve_sizes
 from jaxtrain.models import count_params
-from jaxtrain.partitioning import Rules, ShardingError
-from jaxtrain.progress import Reporter
+from jaxtrain.partitioning import Rules, ShardingError, check_mesh_used
+from jaxtrain.progress import Reporter, format_flops
 from jaxtrain.sample import generate
 
 USER_ERRORS = (ConfigError, toklib.DataError, ShardingError, ckptlib.CheckpointError)
@@ -80,8 +80,18 @@ def run(cfg: Config, devices: Optional[Sequence[jax.Device]] = None, quiet: bool
         raise ConfigError(f"model.vocab_size: {vocab} is smaller than the tokenizer's vocabulary "
                           f"({corpus.tokenizer.vocab_size})")
     mesh = build_mesh(cfg.mesh, devices)
+    check_mesh_used(rules, dict(mesh.shape))
     trainer = steplib.build(cfg, mesh, rules, vocab)  # resolves every sharding: errors before compile
-    run_dir = rundir.prepare(cfg)
+    run_dir = rundir.prepare(cfg, write_config=False)
+    lock = rundir.RunLock(run_dir, enabled=jax.process_index() == 0)
+    try:
+        return _train(cfg, devices, mesh, rules, corpus, trainer, vocab, run_dir, quiet)
+    finally:
+        lock.release()
+
+
+def _train(cfg: Config, devices, mesh, rules: Rules, corpus, trainer: steplib.Trainer, vocab: int,
+           run_dir: Path, quiet: bool) -> RunResult:
     toklib.save(corpus.tokenizer, run_dir)
     out = Reporter(quiet=quiet or not cfg.run.progress, total=cfg.train.steps)
     for line in corpus.info:
@@ -106,8 +116,17 @@ def run(cfg: Config, devices: Optional[Sequence[jax.Device]] = None, quiet: bool
     batches = corpus.iterator(trainer.batch_sharding)
     latest = ckpt.latest_step() if ckpt else None
     if latest is not None:
+        shape_keys, notes = rundir.resume_changes(cfg, run_dir)
+        for note in notes:
+            out.info(f"[yellow]note:[/] {note}")
         abstract = ckptlib.abstract_like(jax.eval_shape(trainer.init), trainer.state_shardings)
-        state, data_state = ckpt.restore(latest, abstract)
+        try:
+            state, data_state = ckpt.restore(latest, abstract)
+        except ckptlib.CheckpointError as err:
+            if not shape_keys:
+                raise
+            raise ckptlib.CheckpointError(f"{err}\nconfig keys changed since the checkpoint (use a new run.dir "
+                                          f"or the saved values):\n  " + "\n  ".join(shape_keys)) from err
         if data_state:  # empty for an imported checkpoint (jaxtrain.export --import)
             batches.set_state(data_state)
         saved_mesh = ckpt.saved_mesh(latest)
@@ -116,6 +135,13 @@ def run(cfg: Config, devices: Optional[Sequence[jax.Device]] = None, quiet: bool
     else:
         state = trainer.init()
     start = int(jax.device_get(state["step"]))
+    rundir.write_config_file(cfg, run_dir)  # only now: a failed resume leaves the old config.yaml
+    metrics_out.drop_after(start)
+    if latest is None:
+        out.info(f"run directory: {run_dir}")
+    if start >= cfg.train.steps:
+        out.info(f"checkpoint step {start} >= train.steps={cfg.train.steps}: nothing to train "
+                 f"(raise train.steps to continue)")
     val_counts = corpus.val["loss_mask"].sum(axis=(1, 2))
     val = jax.device_put(corpus.val, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
         None, *trainer.batch_sharding.spec[1:])))
@@ -125,7 +151,7 @@ def run(cfg: Config, devices: Optional[Sequence[jax.Device]] = None, quiet: bool
     peak, peak_src = flops.total_peak_flops(cfg, devices)
     tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
     out.info(f"mesh {describe(mesh)} | rules {rules.name} | params {n_params / 1e6:.2f}M | vocab {vocab} "
-             f"| {fpt / 1e6:.1f} MFLOP/token | peak {('%.1f TFLOP/s' % (peak / 1e12)) if peak else 'n/a'} "
+             f"| {fpt / 1e6:.1f} MFLOP/token | peak {format_flops(peak)} "
              f"({peak_src})")
     result.start_step = start
 
@@ -197,8 +223,10 @@ def run(cfg: Config, devices: Optional[Sequence[jax.Device]] = None, quiet: bool
     prompt = corpus.tokenizer.encode(cfg.train.sample_prompt)
     if corpus.bos_id is not None:
         prompt = np.concatenate([[corpus.bos_id], prompt]).astype(np.int32)
+    unk = getattr(corpus.tokenizer, "unk", None)
     ids = generate(trainer.logits_fn, state["params"], prompt, cfg.train.sample_tokens, cfg.data.seq_len,
-                   cfg.train.sample_temperature, cfg.train.seed)
+                   cfg.train.sample_temperature, cfg.train.seed, banned=() if unk is None else (unk,),
+                   vocab_limit=corpus.tokenizer.vocab_size)
     result.sample = corpus.tokenizer.decode(ids)
     metrics_out.close()
     result.state = state

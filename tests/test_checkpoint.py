@@ -73,9 +73,11 @@ def test_shape_mismatch_lists_every_path(fsdp8_run, capsys):
         trainlib.run(cfg("model.d_ff=96"), quiet=True)
     msg = str(err.value)
     assert f"checkpoint step 6 in {full.run_dir / 'checkpoints'} does not match the current config" in msg
-    lines = msg.splitlines()[1:]
+    lines, hint = msg.split("\nconfig keys changed since the checkpoint")
+    lines = lines.splitlines()[1:]
     # w_gate, w_up, w_down of 2 layers, in params and in both Adam moments.
     assert len(lines) == 18, msg
+    assert hint.endswith("\n  model.d_ff: checkpoint has 128, config has 96")
     assert "  params.layers.0.mlp.w_gate: saved shape (64, 128) float32, expected (64, 96) float32" in lines
     assert "  params.layers.1.mlp.w_down: saved shape (128, 64) float32, expected (96, 64) float32" in lines
     assert "  opt_state.1.0.mu.layers.1.mlp.w_up: saved shape (64, 128) float32, expected (64, 96) float32" in lines

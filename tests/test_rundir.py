@@ -1,0 +1,76 @@
+"""The run directory: never overwritten by a failed resume, locked, no duplicate metric rows."""
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from jaxtrain import rundir
+from jaxtrain import train as trainlib
+from jaxtrain.checkpoint import CheckpointError
+from jaxtrain.config import ConfigError
+from jaxtrain.partitioning import Rules, ShardingError, check_mesh_used
+from jaxtrain.sample import generate
+
+
+def test_resume_into_another_model_is_named_and_keeps_config(small_cfg):
+    cfg = small_cfg("train.steps=2", "checkpoint.every=2", "mesh.data=1", run_dir="r")
+    trainlib.run(cfg, devices=jax.devices()[:1], quiet=True)
+    saved = open(f"{cfg.run.dir}/config.yaml").read()
+    other = small_cfg("train.steps=4", "checkpoint.every=2", "mesh.data=1", "model.d_model=32",
+                      "model.n_layers=3", run_dir="r")
+    with pytest.raises(CheckpointError) as e:
+        trainlib.run(other, devices=jax.devices()[:1], quiet=True)
+    assert str(e.value).endswith(
+        "\nconfig keys changed since the checkpoint (use a new run.dir or the saved values):\n"
+        "  model.d_model: checkpoint has 64, config has 32\n"
+        "  model.n_layers: checkpoint has 2, config has 3")
+    assert "params.layers.0.attn.wq: saved shape (64, 4, 16) float32, expected (32, 4, 8) float32" in str(e.value)
+    assert open(f"{cfg.run.dir}/config.yaml").read() == saved
+
+
+def test_resume_drops_metric_rows_past_the_checkpoint(small_cfg):
+    cfg = small_cfg("train.steps=4", "checkpoint.every=2", "mesh.data=1", run_dir="m")
+    trainlib.run(cfg, devices=jax.devices()[:1], quiet=True)
+    path = f"{cfg.run.dir}/metrics.jsonl"
+    with open(path, "a") as f:  # rows of a run that died after step 4's checkpoint
+        f.write(json.dumps({"step": 5, "loss": 1.0}) + "\n" + json.dumps({"step": 6, "loss": 1.0}) + "\n")
+    trainlib.run(small_cfg("train.steps=6", "checkpoint.every=2", "mesh.data=1", run_dir="m"),
+                 devices=jax.devices()[:1], quiet=True)
+    steps = [r["step"] for r in rundir.read_metrics(cfg.run.dir) if "loss" in r]
+    assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_run_dir_is_locked(tmp_path):
+    lock = rundir.RunLock(tmp_path)
+    with pytest.raises(ConfigError, match=r"^run.dir: '.*' is in use by another training process \(pid \d+\)$"):
+        rundir.RunLock(tmp_path)
+    lock.release()
+    rundir.RunLock(tmp_path).release()  # free again
+
+
+def test_foreign_directory_is_not_overwritten(small_cfg, tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.yaml").write_text("my notes\n")
+    with pytest.raises(ConfigError, match="is not empty and is not a jaxtrain run directory"):
+        rundir.prepare(small_cfg(f"run.dir={mine}"))
+    assert (mine / "config.yaml").read_text() == "my notes\n"
+
+
+def test_unused_mesh_axis_is_named_error():
+    with pytest.raises(ShardingError) as e:
+        check_mesh_used(Rules.load("fsdp_tp"), {"data": 1, "fsdp": 1, "tensor": 1, "sequence": 8, "expert": 1})
+    assert str(e.value) == ("mesh.sequence=8: rule set 'fsdp_tp' maps no logical name to mesh axis 'sequence', so "
+                            "the 8 devices along it would repeat the same work; use a rule set that shards over "
+                            "'sequence' or set mesh.sequence=1")
+    check_mesh_used(Rules.load("sp"), {"data": 1, "fsdp": 1, "tensor": 1, "sequence": 8, "expert": 1})
+
+
+def test_sampling_never_emits_banned_or_padding_ids():
+    favourite = np.zeros((1, 4, 10), np.float32)
+    favourite[..., 3] = 50.0  # <unk>, by far the likeliest
+    favourite[..., 8:] = 60.0  # padding ids beyond the tokenizer
+    ids = generate(lambda p, buf: favourite, None, np.array([1]), 20, 4, temperature=1.0, seed=0,
+                   banned=(3,), vocab_limit=8)
+    assert len(ids) == 21 and not set(ids[1:].tolist()) & {3, 8, 9}

@@ -31,10 +31,13 @@ def _spec(spec, ndim: int) -> str:
     return "(" + ", ".join("+".join(e) if isinstance(e, tuple) else str(e) for e in entries) + ")"
 
 
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
 def _short_op(name: str, width: int = 72) -> str:
     """'jit(step_fn)/while/body/closed_call/jvp()/dot_general' -> 'jvp()/dot_general'."""
-    name = re.sub(r"^jit\([^)]*\)/(while/body/(closed_call/)?)?", "", name) or "-"
-    return name if len(name) <= width else name[:width - 3] + "..."
+    return _clip(re.sub(r"^jit\([^)]*\)/(while/body/(closed_call/)?)?", "", name) or "-", width)
 
 
 def _fmt_table(head: list[str], rows: list[list[str]], right: set[int] = frozenset()) -> str:
@@ -81,7 +84,8 @@ def explain(cfg: Config, devices, vocab: Optional[int] = None, top: int = 25) ->
     out += ["", "collectives per step (bytes per device): " +
             ", ".join(f"{k} {memory.fmt_bytes(v)}" for k, v in total.items())]
     if found:
-        crow = [[c.kind, re.sub(r"\{[^}]*\}", "", c.shape), str(c.count), memory.fmt_bytes(c.bytes * c.count),
+        crow = [[c.kind, _clip(re.sub(r"\{[^}]*\}", "", c.shape), 48), str(c.count),
+                 memory.fmt_bytes(c.bytes * c.count),
                  _short_op(c.op_name)] for c in found[:top]]
         out += ["", _fmt_table(["kind", "result", "x/step", "bytes/step", "from"], crow, right={2, 3})]
         if len(found) > top:

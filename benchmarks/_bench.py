@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import platform
+import subprocess
 import resource
 import statistics
 import sys
@@ -17,6 +19,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 REPO = Path(__file__).resolve().parent.parent
+HERE_RESULTS = REPO / "benchmarks" / "RESULTS.md"
 sys.path.insert(0, str(REPO))
 
 
@@ -78,3 +81,28 @@ def serve(ready: dict, run_steps: Callable[[int], dict]) -> None:
             break
         if cmd[0] == "run":
             print(json.dumps(run_steps(int(cmd[1]))), file=out, flush=True)
+
+
+def hardware() -> str:
+    """CPU model and core count (and the accelerator's kind, if ``device`` is given)."""
+    model = "unknown cpu"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} cores, {platform.system()}"
+
+
+def commit() -> str:
+    """Short git commit of the checkout, '+dirty' when tracked files differ from it."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True).stdout.strip()
+        return sha + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"

@@ -19,14 +19,13 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from _bench import REPO, stats, write_json
+from _bench import REPO, commit, hardware, stats, write_json
 
 HERE = Path(__file__).resolve().parent
 CONFIGS = {  # name -> (config, overrides, timed steps per round)
@@ -109,29 +108,6 @@ def compare(label: str, config: str, overrides: list[str], impls: list[str], rou
             out[f"ratio_vs_{other}"] = statistics.median(ratios)
             out[f"ratio_vs_{other}_per_round"] = ratios
     return out
-
-
-def hardware() -> str:
-    model = "unknown cpu"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} cores, {platform.system()}"
-
-
-def commit() -> str:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True).stdout.strip()
-        return sha + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def results_row(res: dict, quick: bool) -> str:

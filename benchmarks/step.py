@@ -9,16 +9,21 @@ throughput swings within minutes, so only a same-run peak is meaningful).
 The batches are real ones from the config's data pipeline, put on the devices
 before timing; each step is synchronised so every step has its own time.
 ``--compile-only`` reports the compile time alone (e.g. 4 vs 32 layers, with
-and without ``model.scan_layers=true``). ``--serve`` is compare.py's worker mode.
+and without ``model.scan_layers=true``). ``--abstract`` validates the config and
+lowers and compiles the full-size step from shapes alone (no parameters are
+allocated): the CPU smoke check of configs meant for an accelerator.
+``--write-results`` appends a row to benchmarks/RESULTS.md. ``--serve`` is
+compare.py's worker mode.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import sys
 import time
 
-from _bench import default_corpus, fmt, peak_host_rss_bytes, print_table, serve, stats, with_corpus, write_json  # noqa: F401
+from _bench import HERE_RESULTS, commit, fmt, hardware, peak_host_rss_bytes, print_table, serve, stats, with_corpus, write_json
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -95,6 +100,33 @@ class JaxBench:
                 "compiled_argument_bytes": getattr(mem, "argument_size_in_bytes", None)}
 
 
+def abstract_compile(config: str | None, overrides: list[str]) -> dict:
+    """Validates ``config`` and compiles its train step from ShapeDtypeStructs (nothing allocated)."""
+    cfg = cfglib.load(config, with_corpus(overrides))
+    vocab = cfg.model.vocab_size or datalib.load_corpus(cfg).tokenizer.vocab_size
+    trainer = steplib.build(cfg, build_mesh(cfg.mesh, jax.devices()),
+                            Rules.load(cfg.sharding.rules, cfg.sharding.allow_fallback), vocab)
+    batch = jax.ShapeDtypeStruct((cfg.train.grad_accum, cfg.micro_batch, cfg.data.seq_len + 1), np.int32,
+                                 sharding=trainer.batch_sharding)
+    state = jax.eval_shape(trainer.init)
+    t0 = time.perf_counter()
+    compiled = trainer.train_step.lower(state, batch).compile()
+    mem = compiled.memory_analysis()
+    return {"config": config, "n_params": int(sum(x.size for x in jax.tree_util.tree_leaves(state["params"]))),
+            "flops_per_token": flops.flops_per_token(cfg, vocab), "compile_s": time.perf_counter() - t0,
+            "compiled_temp_bytes": getattr(mem, "temp_size_in_bytes", None)}
+
+
+def results_row(info: dict) -> str:
+    """One RESULTS.md row (the table of compare.py; the torch columns empty)."""
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
+    cfg = info["config"] + (" " + " ".join(info["overrides"]) if info["overrides"] else "")
+    mfu = f"MFU {100 * info['mfu']:.1f}% ({info['peak_source']})" if info["mfu"] is not None else "MFU n/a"
+    return (f"| {date} | {hardware()}; {info['device']} x{info['n_devices']} | {commit()} | {cfg} | "
+            f"{info['tokens_per_sec']:,.0f} | - | - | - | - | {mfu} | {info['compile_s']:.1f} | "
+            f"step.py, {info['stats']['steps']} steps, {info['dtype']}, jax {info['jax']} |")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", default="shakespeare_char")
@@ -102,10 +134,20 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--json", default=None, help="write the figures here")
     p.add_argument("--compile-only", action="store_true")
+    p.add_argument("--abstract", action="store_true", help="validate and compile from shapes only, then exit")
+    p.add_argument("--write-results", action="store_true", help="append a row to benchmarks/RESULTS.md")
     p.add_argument("--serve", action="store_true", help="worker mode for compare.py")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
 
+    if args.abstract:
+        info = abstract_compile(args.config, args.overrides)
+        print_table(f"jaxtrain abstract compile: {args.config} {' '.join(args.overrides)}", [
+            ("params", f"{info['n_params'] / 1e9:.3f}B, {info['flops_per_token'] / 1e9:.2f} GFLOP/token"),
+            ("compile", fmt(info["compile_s"], " s", digits=1)),
+            ("compiled temp", fmt(info["compiled_temp_bytes"], " GiB", 2 ** 30, 2))])
+        write_json(args.json, info)
+        return 0
     t_start = time.perf_counter()
     b = JaxBench(args.config, args.overrides)
     cfg = b.cfg
@@ -162,6 +204,10 @@ def main(argv=None) -> int:
         ("compiled temp", fmt(mem["compiled_temp_bytes"], " MiB", 2 ** 20)),
     ])
     write_json(args.json, info)
+    if args.write_results:
+        with HERE_RESULTS.open("a") as f:
+            f.write(results_row(info) + "\n")
+        print(f"appended a row to {HERE_RESULTS}")
     return 0
 
 

@@ -71,3 +71,17 @@ def test_cpu_peak_is_measured_in_process():
     assert why == "calibrated host float32 matmul"
     assert 1e8 < peak < 1e14  # a real measurement of this host, not multiplied by the 8 simulated devices
     assert flops.mfu(1000.0, 1e6, peak) == pytest.approx(1e9 / peak)
+
+
+def test_gpu_benchmark_config_validates_and_lowers():
+    """configs/llama_1b_h200.yaml (benchmarks/gpu_h200.sh): valid, ~1.1B, and its step traces on CPU."""
+    cfg = cfglib.load("llama_1b_h200", ["mesh.data=1"])
+    assert cfg.model.dtype == "bfloat16" and cfg.data.seq_len == 2048 and cfg.model.scan_layers
+    trainer = steplib.build(cfg, build_mesh(cfg.mesh, jax.devices()[:1]), Rules.load("fsdp_tp"), cfg.model.vocab_size)
+    state = jax.eval_shape(trainer.init)
+    n = sum(x.size for x in jax.tree_util.tree_leaves(state["params"]))
+    assert 1.0e9 < n < 1.2e9
+    assert flops.flops_per_token(cfg, cfg.model.vocab_size) == pytest.approx(7.04e9, rel=0.01)
+    batch = jax.ShapeDtypeStruct((1, cfg.micro_batch, cfg.data.seq_len + 1), np.int32,
+                                 sharding=trainer.batch_sharding)
+    assert "while" in trainer.train_step.lower(state, batch).as_text()  # the scan over layers

@@ -58,16 +58,12 @@ class JaxBench:
     def __init__(self, config: str | None, overrides: list[str], n_batches: int = 8):
         self.cfg = cfg = cfglib.load(config, with_corpus(overrides))
         devices = jax.devices()
-        corpus = datalib.load_corpus(cfg)
-        self.vocab = cfg.model.vocab_size or corpus.tokenizer.vocab_size
+        data = datalib.load(cfg)
+        self.vocab = cfg.model.vocab_size or data.tokenizer.vocab_size
         mesh = build_mesh(cfg.mesh, devices)
         self.trainer = steplib.build(cfg, mesh, Rules.load(cfg.sharding.rules, cfg.sharding.allow_fallback), self.vocab)
-        ds = iter(datalib.train_dataset(corpus.train, cfg.data.seq_len, cfg.train.global_batch, cfg.data.seed)
-                  .to_iter_dataset())
-        host = [np.asarray(next(ds)) for _ in range(n_batches)]
-        self.host_batches = host
-        self.batches = [datalib.to_global(b.reshape(cfg.train.grad_accum, -1, b.shape[-1]), self.trainer.batch_sharding)
-                        for b in host]
+        it = data.iterator(self.trainer.batch_sharding)  # the trainer's own pipeline: batch dicts on the mesh
+        self.batches = [next(it) for _ in range(n_batches)]
         self.state = self.trainer.init()
         t0 = time.perf_counter()
         self.compiled = self.trainer.train_step.lower(self.state, self.batches[0]).compile()
@@ -103,7 +99,7 @@ class JaxBench:
 def abstract_compile(config: str | None, overrides: list[str]) -> dict:
     """Validates ``config`` and compiles its train step from ShapeDtypeStructs (nothing allocated)."""
     cfg = cfglib.load(config, with_corpus(overrides))
-    vocab = cfg.model.vocab_size or datalib.load_corpus(cfg).tokenizer.vocab_size
+    vocab = cfg.model.vocab_size or datalib.load(cfg).tokenizer.vocab_size
     trainer = steplib.build(cfg, build_mesh(cfg.mesh, jax.devices()),
                             Rules.load(cfg.sharding.rules, cfg.sharding.allow_fallback), vocab)
     batch = jax.ShapeDtypeStruct((cfg.train.grad_accum, cfg.micro_batch, cfg.data.seq_len + 1), np.int32,

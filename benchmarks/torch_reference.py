@@ -117,18 +117,24 @@ def lr_at(cfg, step: int) -> float:
 
 class TorchBench:
     def __init__(self, config, overrides: list[str], mode: str, n_batches: int = 8):
-        from jaxtrain import data as datalib  # numpy-only use: the same batches as jaxtrain
+        from jaxtrain import data as datalib  # the same batches as jaxtrain
         self.cfg = cfg = cfglib.load(config, with_corpus(overrides))
         if cfg.train.grad_accum != 1:
             raise SystemExit("torch_reference: train.grad_accum must be 1")
         if cfg.model.dtype != "float32":
             raise SystemExit("torch_reference: CPU reference runs float32 only")
         torch.manual_seed(cfg.train.seed)
-        corpus = datalib.load_corpus(cfg)
-        self.vocab = cfg.model.vocab_size or corpus.tokenizer.vocab_size
-        ds = iter(datalib.train_dataset(corpus.train, cfg.data.seq_len, cfg.train.global_batch, cfg.data.seed)
-                  .to_iter_dataset())
-        self.batches = [torch.from_numpy(np.asarray(next(ds)).astype(np.int64)) for _ in range(n_batches)]
+        data = datalib.load(cfg)
+        self.vocab = cfg.model.vocab_size or data.tokenizer.vocab_size
+        import jax
+        one = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(jax.devices("cpu")[:1]), ("data",)),
+                                         jax.sharding.PartitionSpec())
+        it = data.iterator(one)  # batch dicts of [1, global_batch, T] inputs/targets
+        self.batches = []
+        for _ in range(n_batches):
+            b = next(it)
+            self.batches.append(tuple(torch.from_numpy(np.asarray(b[k]).reshape(-1, cfg.data.seq_len).astype(np.int64))
+                                      for k in ("inputs", "targets")))
         self.model = Llama(cfg.model, self.vocab, cfg.data.seq_len)
         params = list(self.model.parameters())
         self.n_params = sum(p.numel() for p in params)
@@ -150,8 +156,9 @@ class TorchBench:
     def train_step(self, batch):
         for g in self.opt.param_groups:
             g["lr"] = lr_at(self.cfg, self.step)
-        logits = self.fwd(batch[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        inputs, targets = batch
+        logits = self.fwd(inputs)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optimizer.clip_norm, foreach=True)
         self.opt.step()

@@ -52,6 +52,8 @@ class ModelConfig(_Section):
     # auto | xla | cudnn | pallas | ring; see models/attention.py and README "Attention (model.attention)"
     attention: Literal["auto", "xla", "cudnn", "pallas", "ring"] = "auto"
     init_std: float = 0.02
+    scan_layers: bool = False  # stack the blocks and lax.scan over them (flat compile time in depth)
+    remat: Literal["none", "full", "save_matmuls"] = "none"  # activation recompute per block
 
 
 class MeshConfig(_Section):
@@ -138,6 +140,13 @@ class RunConfig(_Section):
     progress: bool = True  # rich progress bar with ETA
 
 
+class ProfileConfig(_Section):
+    """A jax.profiler trace of steps [start_step, start_step + steps) written to <run.dir>/profile."""
+
+    start_step: int = 5  # after compile and warm-up
+    steps: int = 0  # 0: no trace
+
+
 class Config(_Section):
     model: ModelConfig = ModelConfig()
     mesh: MeshConfig = MeshConfig()
@@ -147,6 +156,7 @@ class Config(_Section):
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     run: RunConfig = RunConfig()
+    profile: ProfileConfig = ProfileConfig()
 
     @model_validator(mode="after")
     def _check(self) -> "Config":
@@ -178,6 +188,9 @@ def check_consistency(cfg: Config) -> None:
     for key in ("steps", "global_batch", "grad_accum", "log_every", "eval_every", "eval_batches"):
         _positive(f"train.{key}", getattr(t, key))
     _positive("data.seq_len", cfg.data.seq_len)
+    _positive("profile.start_step", cfg.profile.start_step)
+    if cfg.profile.steps < 0:
+        raise ConfigError(f"profile.steps: must be >= 0 (0 = no trace), got {cfg.profile.steps}")
     _positive("checkpoint.every", cfg.checkpoint.every)
     _positive("checkpoint.keep", cfg.checkpoint.keep)
     c = cfg.checkpoint

@@ -1,39 +1,67 @@
 """FLOPs per token, peak FLOP/s per device, and MFU.
 
-MFU (model FLOPs utilisation, Chowdhery et al. 2022, "PaLM", appendix B) is
-``tokens_per_sec * flops_per_token / (n_devices * peak_flops_per_device)``,
-with the *model* FLOPs of a training step (forward + backward, no remat
-recompute) per token:
+MFU (model FLOPs utilisation, Chowdhery et al. 2022, "PaLM: Scaling Language
+Modeling with Pathways", appendix B) is
+``tokens_per_sec * flops_per_token / peak_flops`` with the *model* FLOPs of a
+training step (forward + backward, no remat recompute) per token:
 
     6 * N  +  12 * L * H * Q * T
 
 N counts the matmul parameters (every weight matrix, including the LM head,
 excluding the input-embedding lookup, which is a gather); L layers, H query
-heads, Q head dim, T sequence length. The attention term counts the full
-T x T score and value matmuls, as PaLM does, not only the causal half.
+heads, Q head dim, T sequence length. 6 = 2 FLOPs per multiply-add x (1
+forward + 2 backward matmuls). The attention term is the QK^T and AV matmuls,
+2 * 2 * T * H * Q per token and layer forward, times 3 for the backward; like
+PaLM (and MaxText, torchtitan) it counts the full T x T square, not only the
+causal half.
+
+Known gaps against XLA's own count (``compiled.cost_analysis()['flops']``,
+checked within 10% by tests/test_flops.py):
+  * XLA also counts the elementwise work (norms, rotary, softmax, SwiGLU,
+    cross-entropy, AdamW): a few % on small models, less on large ones.
+  * The ``xla`` attention computes the full square, so XLA's count matches the
+    formula; a causal kernel that skips masked blocks does ~half the attention
+    work while MFU still credits the full term (the convention).
+  * Remat recompute is executed but not credited: with ``model.remat=full``
+    XLA counts roughly one extra forward (~+33% of 6N); MFU stays on 6N.
+  * XLA counts a ``while`` loop body once, not times its trip count, so with
+    ``model.scan_layers=true`` or ``train.grad_accum>1`` its total is low by
+    about that factor. Compare against the unrolled, single-micro-batch step.
 """
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 
 from jaxtrain.config import Config
 
-# Dense (no sparsity) peak FLOP/s per chip, bf16 unless noted.
-PEAK_FLOPS = {
-    "h100": 989e12,  # NVIDIA H100 SXM datasheet, BF16 Tensor Core 1979 TFLOPS with sparsity -> 989 dense
-    "h200": 989e12,  # NVIDIA H200 datasheet, same Hopper tensor cores as H100 SXM
-    "a100": 312e12,  # NVIDIA A100 datasheet, BF16 Tensor Core 312 TFLOPS dense
-    "tpu v4": 275e12,  # Google Cloud TPU v4 docs: 275 TFLOPS bf16 per chip
-    "tpu v5 lite": 197e12,  # Cloud TPU v5e docs: 197 TFLOPS bf16 per chip
-    "tpu v5e": 197e12,
-    "tpu v5p": 459e12,  # Cloud TPU v5p docs: 459 TFLOPS bf16 per chip
-    "tpu v6 lite": 918e12,  # Cloud TPU v6e (Trillium) docs: 918 TFLOPS bf16 per chip
-    "tpu v6e": 918e12,
-}
+# Dense (no sparsity) peak FLOP/s per chip and matmul dtype, checked in order (first
+# substring of the lowercased ``device_kind`` wins, so specific names come first).
+# GPU float32 entries are the TF32 tensor-core figures: XLA uses TF32 for f32 dots on
+# Ampere/Hopper at default precision. TPUs publish bf16 only; f32 there is n/a.
+PEAK_FLOPS: list[tuple[str, dict[str, float]]] = [
+    # NVIDIA H100 datasheet (PCIe): BF16 1513 TFLOPS / TF32 756 with sparsity -> half dense.
+    ("h100 pcie", {"bfloat16": 756e12, "float32": 378e12}),
+    # NVIDIA H100 datasheet (NVL): BF16 1671 / TF32 835 with sparsity.
+    ("h100 nvl", {"bfloat16": 835e12, "float32": 417e12}),
+    # NVIDIA H100 datasheet (SXM): BF16 1979 / TF32 989 with sparsity -> 989 / 494 dense.
+    ("h100", {"bfloat16": 989e12, "float32": 494e12}),
+    # NVIDIA H200 datasheet (SXM): same tensor cores as H100 SXM, 1979 / 989 with sparsity.
+    ("h200", {"bfloat16": 989e12, "float32": 494e12}),
+    # NVIDIA A100 datasheet: BF16 312 dense (624 sparse), TF32 156 dense (312 sparse).
+    ("a100", {"bfloat16": 312e12, "float32": 156e12}),
+    # Cloud TPU docs, system architecture pages: per-chip bf16 peak.
+    ("tpu v4", {"bfloat16": 275e12}),  # TPU v4: 275 TFLOPS bf16
+    ("tpu v5 lite", {"bfloat16": 197e12}),  # v5e (device_kind "TPU v5 lite"): 197 TFLOPS bf16
+    ("tpu v5e", {"bfloat16": 197e12}),
+    ("tpu v5p", {"bfloat16": 459e12}),  # v5p: 459 TFLOPS bf16
+    ("tpu v5", {"bfloat16": 459e12}),  # v5p reports device_kind "TPU v5"
+    ("tpu v6 lite", {"bfloat16": 918e12}),  # v6e Trillium (device_kind "TPU v6 lite"): 918 TFLOPS bf16
+    ("tpu v6e", {"bfloat16": 918e12}),
+]
 
 
 def matmul_params(cfg: Config, vocab_size: int) -> int:
@@ -46,30 +74,52 @@ def matmul_params(cfg: Config, vocab_size: int) -> int:
     return m.n_layers * (attn + mlp) + head
 
 
+def attention_flops_per_token(cfg: Config) -> float:
+    """12*L*H*Q*T: QK^T and AV, forward and backward, full T x T square (FLOPs/token)."""
+    m = cfg.model
+    return 12.0 * m.n_layers * m.n_heads * (m.d_model // m.n_heads) * cfg.data.seq_len
+
+
 def flops_per_token(cfg: Config, vocab_size: int) -> float:
     """Training FLOPs per token: 6N + 12*L*H*Q*T (PaLM appendix B)."""
-    m = cfg.model
-    hd = m.d_model // m.n_heads
-    return 6.0 * matmul_params(cfg, vocab_size) + 12.0 * m.n_layers * m.n_heads * hd * cfg.data.seq_len
+    return 6.0 * matmul_params(cfg, vocab_size) + attention_flops_per_token(cfg)
 
 
-def device_peak_flops(device: jax.Device) -> Optional[float]:
-    """Table peak for a device's kind, or None if unknown."""
-    kind = device.device_kind.lower()
-    for name, peak in PEAK_FLOPS.items():
+def xla_flops(compiled: Any) -> Optional[float]:
+    """FLOPs of one call of a compiled function by XLA's cost analysis, or None if unavailable.
+
+    ``compiled`` is a ``jax.stages.Compiled``; its ``cost_analysis()`` is a dict
+    in jax >= 0.4.30 and a one-element list of dicts before.
+    """
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # some backends do not implement it
+        return None
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else None
+    if not cost or "flops" not in cost:
+        return None
+    return float(cost["flops"])
+
+
+def device_peak_flops(device: Any, dtype: str = "bfloat16") -> Optional[float]:
+    """Table peak FLOP/s of one device for matmuls in ``dtype``, or None if not in the table."""
+    kind = str(getattr(device, "device_kind", "")).lower()
+    for name, peaks in PEAK_FLOPS:
         if name in kind:
-            return peak
+            return peaks.get(dtype)
     return None
 
 
-def calibrate_cpu_flops(n: int = 1024, repeats: int = 5) -> float:
-    """Measured f32 matmul FLOP/s of this host (best of ``repeats``, n x n x n).
+def calibrate_cpu_flops(n: int = 1024, repeats: int = 5, dtype: str = "float32") -> float:
+    """Measured matmul FLOP/s of this host: best of ``repeats`` n x n x n matmuls in ``dtype``.
 
-    CPU throughput swings a lot between minutes on shared machines, so MFU on
-    CPU uses this same-process measurement rather than a constant.
+    CPU throughput swings up to 3x within minutes on shared machines, so MFU on
+    CPU uses this same-process measurement rather than a constant. All XLA CPU
+    devices of a process share one thread pool, so this is the host's rate.
     """
     cpu = jax.devices("cpu")[0]
-    a = jax.device_put(jnp.ones((n, n), jnp.float32), cpu)
+    a = jax.device_put(jnp.ones((n, n), jnp.dtype(dtype)), cpu)
     f = jax.jit(lambda x: x @ x)
     f(a).block_until_ready()
     best = float("inf")
@@ -80,20 +130,32 @@ def calibrate_cpu_flops(n: int = 1024, repeats: int = 5) -> float:
     return 2.0 * n ** 3 / best
 
 
-def total_peak_flops(cfg: Config, devices) -> tuple[Optional[float], str]:
+def total_peak_flops(cfg: Config, devices, calibrate: bool = True) -> tuple[Optional[float], str]:
     """Peak FLOP/s of the whole mesh and where it came from.
 
-    Returns (None, reason) for an unknown accelerator without ``train.peak_tflops``:
-    MFU is then reported as n/a, never computed from another chip's peak.
-    Simulated CPU devices share one host, so on CPU the peak is the host's
-    calibrated matmul rate, not multiplied by the device count.
+    Order: ``train.peak_tflops`` (per device, x device count) if set; on CPU a
+    matmul timed now in this process (the host's rate, not multiplied by the
+    number of simulated devices; ``calibrate=False`` skips it -> None); else the
+    table for the device kind and ``model.dtype``. Returns (None, reason) for an
+    unknown accelerator or dtype without ``train.peak_tflops``: MFU is then
+    reported as n/a, never computed from another chip's peak.
     """
     devices = list(devices)
+    dtype = cfg.model.dtype
     if cfg.train.peak_tflops is not None:
         return cfg.train.peak_tflops * 1e12 * len(devices), "config train.peak_tflops"
     if devices[0].platform == "cpu":
-        return calibrate_cpu_flops(), "calibrated host matmul"
-    peak = device_peak_flops(devices[0])
+        if not calibrate:
+            return None, "cpu (calibration skipped)"
+        return calibrate_cpu_flops(dtype=dtype), f"calibrated host {dtype} matmul"
+    peak = device_peak_flops(devices[0], dtype)
     if peak is None:
-        return None, f"unknown device kind '{devices[0].device_kind}' (set train.peak_tflops)"
-    return peak * len(devices), f"table ({devices[0].device_kind})"
+        return None, f"no peak for device kind '{devices[0].device_kind}' / {dtype} (set train.peak_tflops)"
+    return peak * len(devices), f"table ({devices[0].device_kind}, {dtype})"
+
+
+def mfu(tokens_per_sec: float, flops_per_token_: float, peak: Optional[float]) -> Optional[float]:
+    """Model FLOPs utilisation (fraction), or None when the peak is unknown."""
+    if not peak:
+        return None
+    return tokens_per_sec * flops_per_token_ / peak

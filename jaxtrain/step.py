@@ -27,7 +27,8 @@ def llama_config(cfg: Config, vocab_size: int) -> LlamaConfig:
     return LlamaConfig(vocab_size=vocab_size, d_model=m.d_model, n_layers=m.n_layers, n_heads=m.n_heads,
                        n_kv_heads=m.n_kv_heads, d_ff=m.d_ff, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
                        tie_embeddings=m.tie_embeddings, dtype=m.dtype, param_dtype=m.param_dtype,
-                       init_std=m.init_std, attention=m.attention)
+                       init_std=m.init_std, attention=m.attention,
+                       scan_layers=m.scan_layers, remat=m.remat)
 
 
 def lr_schedule(cfg: Config) -> optax.Schedule:
@@ -43,7 +44,11 @@ def lr_schedule(cfg: Config) -> optax.Schedule:
 def optimizer(cfg: Config) -> optax.GradientTransformation:
     """Global-norm clipping then AdamW (Loshchilov & Hutter 2019), decay on matrices only."""
     o = cfg.optimizer
-    decay_mask = lambda params: jax.tree_util.tree_map(lambda p: p.ndim >= 2, params)  # noqa: E731
+    stacked = 1 if cfg.model.scan_layers else 0  # a scanned layer's params carry a leading 'layers' dim
+
+    def decay_mask(params):
+        return jax.tree_util.tree_map_with_path(
+            lambda path, p: p.ndim - (stacked if path[0].key == "layers" else 0) >= 2, params)
     return optax.chain(
         optax.clip_by_global_norm(o.clip_norm),
         optax.adamw(lr_schedule(cfg), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,

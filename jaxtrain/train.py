@@ -22,6 +22,7 @@ from jaxtrain import checkpoint as ckptlib
 from jaxtrain import preempt
 from jaxtrain import data as datalib
 from jaxtrain import flops, memory, rundir, step as steplib, tokenizer as toklib
+from jaxtrain.profile import StepProfiler
 from jaxtrain.config import Config, ConfigError, check_against_mesh, load
 from jaxtrain.mesh import build_mesh, describe, resolve_sizes
 from jaxtrain.models import count_params
@@ -156,6 +157,7 @@ def _train(cfg: Config, devices, mesh, rules: Rules, corpus, trainer: steplib.Tr
     result.start_step = start
 
     compiled = None
+    prof = StepProfiler(cfg, run_dir)
     last_eval: dict = {}
     bad_run, prev_flag = 0, None  # consecutive non-finite steps; the previous step's flag (read one step late)
     with preempt.Preemption(cfg.checkpoint.grace_period_s) as stop, out.progress(start):
@@ -171,6 +173,7 @@ def _train(cfg: Config, devices, mesh, rules: Rules, corpus, trainer: steplib.Tr
                 if rules.fallbacks:  # after tracing, so activation fallbacks are listed too
                     out.warn_table("sharding.allow_fallback replicated these dimensions", rules.fallbacks)
                 t_last = time.perf_counter()
+            prof.before(s)
             state, m = compiled(state, batch)
             # Read the previous step's flag now, so the host never waits on the step just dispatched.
             if prev_flag is not None:
@@ -178,6 +181,7 @@ def _train(cfg: Config, devices, mesh, rules: Rules, corpus, trainer: steplib.Tr
             prev_flag = m["nonfinite"]
             if s == cfg.train.steps:
                 bad_run = _check_nonfinite(int(prev_flag), bad_run, s, cfg, ckpt, result)
+            prof.after(s, m)
             if s % cfg.train.log_every == 0 or s == cfg.train.steps:
                 m = jax.device_get(m)  # the only host sync in the loop
                 now = time.perf_counter()
@@ -212,6 +216,7 @@ def _train(cfg: Config, devices, mesh, rules: Rules, corpus, trainer: steplib.Tr
                 out.info(f"{stop.name}: stopped after step {s}; checkpoint "
                          f"{'committed' if ckpt and ckpt.latest_step() == s else 'NOT saved'}; rerun to resume")
                 break
+    prof.stop()
     if ckpt:
         ckpt.close()
     if result.preempted:

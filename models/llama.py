@@ -17,6 +17,14 @@ Parameter layout (logical names):
   layers.i.mlp.w_gate    [embed, mlp]   w_up: [embed, mlp]   w_down: [mlp, embed]
   layers.i.attn_norm / mlp_norm.scale, final_norm.scale   [embed]
   lm_head                [embed, vocab]  (absent when tie_embeddings)
+
+With ``scan_layers`` the blocks are one module whose parameters are stacked on a
+leading 'layers' dim (``layers.attn.wq [layers, embed, heads, kv]``, ...), run
+by ``jax.lax.scan``: the compiled step holds one block, so compile time stays
+flat as depth grows. The initial values equal the unstacked layout's. ``remat``
+recomputes each block's activations in the backward pass: 'full' saves only
+the block input, 'save_matmuls' also keeps the weight-matmul outputs (JAX's
+``dots_with_no_batch_dims_saveable``, MaxText's "minimal" policy).
 """
 from __future__ import annotations
 
@@ -47,6 +55,8 @@ class LlamaConfig:
     param_dtype: str = "float32"
     init_std: float = 0.02
     attention: str = "xla"  # see models/attention.py
+    scan_layers: bool = False  # stack the blocks and lax.scan over them
+    remat: str = "none"  # none | full | save_matmuls
 
     @property
     def head_dim(self) -> int:
@@ -152,7 +162,8 @@ class Llama(nnx.Module):
         self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, param_dtype=jnp.dtype(pd), rngs=rngs,
                                embedding_init=nnx.initializers.normal(cfg.init_std))
         self.embed.embedding.set_metadata(axes=("vocab", "embed"))
-        self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
+        blocks = [Block(cfg, rngs) for _ in range(cfg.n_layers)]
+        self.layers = stack_blocks(blocks) if cfg.scan_layers else nnx.List(blocks)
         self.final_norm = RMSNorm(cfg)
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std, pd)
@@ -168,12 +179,56 @@ class Llama(nnx.Module):
         # weight); a lookup into an fsdp-sharded embed dim forces a full rematerialisation.
         table = constrain(self.embed.embedding[...], "vocab", None)
         x = constrain(table[tokens].astype(dt), "batch", "residual_length", "embed")
-        for block in self.layers:
-            x = block(x, positions, segment_ids)
+        if self.cfg.scan_layers:
+            x = scan_blocks(self.layers, x, positions, segment_ids, self.cfg.remat)
+        else:
+            for block in self.layers:
+                x = remat_block(block, x, positions, segment_ids, self.cfg.remat)
         x = self.final_norm(x)
         head = self.embed.embedding[...].T if self.cfg.tie_embeddings else self.lm_head[...]
         logits = (x @ head.astype(dt)).astype(jnp.float32)
         return constrain(logits, "batch", "length", "vocab")
+
+
+REMAT_POLICIES = {"full": None, "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+def _checkpoint(fn, remat: str, prevent_cse: bool = True):
+    if remat == "none":
+        return fn
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"model.remat: unknown policy '{remat}' (known: none, {', '.join(REMAT_POLICIES)})")
+    return jax.checkpoint(fn, policy=REMAT_POLICIES[remat], prevent_cse=prevent_cse)
+
+
+def remat_block(block: Block, x: jax.Array, positions, segment_ids, remat: str) -> jax.Array:
+    """One block, its activations recomputed in the backward pass under ``remat``."""
+    if remat == "none":
+        return block(x, positions, segment_ids)
+    graphdef, state = nnx.split(block)
+    run = lambda h, st: nnx.merge(graphdef, st)(h, positions, segment_ids)  # noqa: E731
+    return _checkpoint(run, remat)(x, state)
+
+
+def stack_blocks(blocks: list[Block]) -> Block:
+    """One Block whose parameters are the blocks' stacked on a leading 'layers' dim."""
+    graphdef, _ = nnx.split(blocks[0])
+    stacked = nnx.merge(graphdef, jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *map(nnx.state, blocks)))
+    for _, node in nnx.iter_graph(stacked):
+        if isinstance(node, nnx.Param):
+            node.set_metadata(axes=("layers", *node.get_metadata()["axes"]))
+    return stacked
+
+
+def scan_blocks(stacked: Block, x: jax.Array, positions, segment_ids, remat: str) -> jax.Array:
+    """x [batch, length, embed] through every layer of a stacked Block with ``jax.lax.scan``."""
+    graphdef, state = nnx.split(stacked)
+
+    def body(h, layer_state):
+        return nnx.merge(graphdef, layer_state)(h, positions, segment_ids), None
+
+    x, _ = jax.lax.scan(_checkpoint(body, remat, prevent_cse=False), x, state)
+    return x
 
 
 def count_params(model_or_state) -> int:

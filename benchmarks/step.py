@@ -1,0 +1,211 @@
+"""Time jaxtrain's compiled train step: ``python benchmarks/step.py --config X [key=value ...]``.
+
+Prints a table and writes JSON (``--json``): median and spread of the step time
+over ``--steps`` steps after ``--warmup`` steps, tokens/s, FLOPs/token, MFU,
+compile time, peak host memory (RSS) and device memory, and the matmul peak
+measured in this same process before and after the timed steps (on CPU the
+throughput swings within minutes, so only a same-run peak is meaningful).
+
+The batches are real ones from the config's data pipeline, put on the devices
+before timing; each step is synchronised so every step has its own time.
+``--compile-only`` reports the compile time alone (e.g. 4 vs 32 layers, with
+and without ``model.scan_layers=true``). ``--abstract`` validates the config and
+lowers and compiles the full-size step from shapes alone (no parameters are
+allocated): the CPU smoke check of configs meant for an accelerator.
+``--write-results`` appends a row to benchmarks/RESULTS.md. ``--serve`` is
+compare.py's worker mode.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import time
+
+from _bench import HERE_RESULTS, commit, fmt, hardware, peak_host_rss_bytes, print_table, serve, stats, with_corpus, write_json
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxtrain import config as cfglib, data as datalib, flops, step as steplib  # noqa: E402
+from jaxtrain.mesh import build_mesh  # noqa: E402
+from jaxtrain.partitioning import Rules  # noqa: E402
+
+
+def matmul_peak(dtype: str) -> float:
+    """Measured matmul FLOP/s now: 2048^3 on CPU, 8192^3 on accelerators (best of 5)."""
+    n = 2048 if jax.devices()[0].platform == "cpu" else 8192
+    return flops.calibrate_cpu_flops(n=n, dtype=dtype) if n == 2048 else _accel_matmul(n, dtype)
+
+
+def _accel_matmul(n: int, dtype: str) -> float:
+    import jax.numpy as jnp
+    a = jnp.ones((n, n), jnp.dtype(dtype))
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2.0 * n ** 3 / best
+
+
+class JaxBench:
+    """Builds, compiles and times the train step of one config on all local devices."""
+
+    def __init__(self, config: str | None, overrides: list[str], n_batches: int = 8):
+        self.cfg = cfg = cfglib.load(config, with_corpus(overrides))
+        devices = jax.devices()
+        data = datalib.load(cfg)
+        self.vocab = cfg.model.vocab_size or data.tokenizer.vocab_size
+        mesh = build_mesh(cfg.mesh, devices)
+        self.trainer = steplib.build(cfg, mesh, Rules.load(cfg.sharding.rules, cfg.sharding.allow_fallback), self.vocab)
+        it = data.iterator(self.trainer.batch_sharding)  # the trainer's own pipeline: batch dicts on the mesh
+        self.batches = [next(it) for _ in range(n_batches)]
+        self.state = self.trainer.init()
+        t0 = time.perf_counter()
+        self.compiled = self.trainer.train_step.lower(self.state, self.batches[0]).compile()
+        self.compile_s = time.perf_counter() - t0
+        self.fpt = flops.flops_per_token(cfg, self.vocab)
+        self.tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
+        self.n_params = sum(x.size for x in jax.tree_util.tree_leaves(self.state["params"]))
+        self.i = 0
+        self.last_loss = None
+
+    def run(self, n: int) -> list[float]:
+        times = []
+        for _ in range(n):
+            batch = self.batches[self.i % len(self.batches)]
+            self.i += 1
+            t = time.perf_counter()
+            self.state, m = self.compiled(self.state, batch)
+            loss = float(m["loss"])  # sync: each step gets its own time
+            times.append(time.perf_counter() - t)
+            self.last_loss = loss
+        return times
+
+    def memory(self) -> dict:
+        dev = jax.devices()[0]
+        stats_ = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+        mem = self.compiled.memory_analysis()
+        return {"host_peak_rss_bytes": peak_host_rss_bytes(),
+                "device_peak_bytes": (stats_ or {}).get("peak_bytes_in_use"),
+                "compiled_temp_bytes": getattr(mem, "temp_size_in_bytes", None),
+                "compiled_argument_bytes": getattr(mem, "argument_size_in_bytes", None)}
+
+
+def abstract_compile(config: str | None, overrides: list[str]) -> dict:
+    """Validates ``config`` and compiles its train step from ShapeDtypeStructs (nothing allocated)."""
+    cfg = cfglib.load(config, with_corpus(overrides))
+    vocab = cfg.model.vocab_size or datalib.load(cfg).tokenizer.vocab_size
+    trainer = steplib.build(cfg, build_mesh(cfg.mesh, jax.devices()),
+                            Rules.load(cfg.sharding.rules, cfg.sharding.allow_fallback), vocab)
+    batch = jax.ShapeDtypeStruct((cfg.train.grad_accum, cfg.micro_batch, cfg.data.seq_len + 1), np.int32,
+                                 sharding=trainer.batch_sharding)
+    state = jax.eval_shape(trainer.init)
+    t0 = time.perf_counter()
+    compiled = trainer.train_step.lower(state, batch).compile()
+    mem = compiled.memory_analysis()
+    return {"config": config, "n_params": int(sum(x.size for x in jax.tree_util.tree_leaves(state["params"]))),
+            "flops_per_token": flops.flops_per_token(cfg, vocab), "compile_s": time.perf_counter() - t0,
+            "compiled_temp_bytes": getattr(mem, "temp_size_in_bytes", None)}
+
+
+def results_row(info: dict) -> str:
+    """One RESULTS.md row (the table of compare.py; the torch columns empty)."""
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
+    cfg = info["config"] + (" " + " ".join(info["overrides"]) if info["overrides"] else "")
+    mfu = f"MFU {100 * info['mfu']:.1f}% ({info['peak_source']})" if info["mfu"] is not None else "MFU n/a"
+    return (f"| {date} | {hardware()}; {info['device']} x{info['n_devices']} | {commit()} | {cfg} | "
+            f"{info['tokens_per_sec']:,.0f} | - | - | - | - | {mfu} | {info['compile_s']:.1f} | "
+            f"step.py, {info['stats']['steps']} steps, {info['dtype']}, jax {info['jax']} |")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", default="shakespeare_char")
+    p.add_argument("--steps", type=int, default=20, help="timed steps (after warm-up)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--json", default=None, help="write the figures here")
+    p.add_argument("--compile-only", action="store_true")
+    p.add_argument("--abstract", action="store_true", help="validate and compile from shapes only, then exit")
+    p.add_argument("--write-results", action="store_true", help="append a row to benchmarks/RESULTS.md")
+    p.add_argument("--serve", action="store_true", help="worker mode for compare.py")
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args(argv)
+
+    if args.abstract:
+        info = abstract_compile(args.config, args.overrides)
+        print_table(f"jaxtrain abstract compile: {args.config} {' '.join(args.overrides)}", [
+            ("params", f"{info['n_params'] / 1e9:.3f}B, {info['flops_per_token'] / 1e9:.2f} GFLOP/token"),
+            ("compile", fmt(info["compile_s"], " s", digits=1)),
+            ("compiled temp", fmt(info["compiled_temp_bytes"], " GiB", 2 ** 30, 2))])
+        write_json(args.json, info)
+        return 0
+    t_start = time.perf_counter()
+    b = JaxBench(args.config, args.overrides)
+    cfg = b.cfg
+    dev = jax.devices()[0]
+    peak_src = flops.total_peak_flops(cfg, jax.devices(), calibrate=False)
+    info = {"impl": "jaxtrain", "config": args.config, "overrides": args.overrides, "device": dev.device_kind,
+            "platform": dev.platform, "n_devices": len(jax.devices()), "dtype": cfg.model.dtype,
+            "n_params": int(b.n_params), "flops_per_token": b.fpt, "tokens_per_step": b.tokens_per_step,
+            "compile_s": b.compile_s, "scan_layers": getattr(cfg.model, "scan_layers", False),
+            "remat": getattr(cfg.model, "remat", "none"), "jax": jax.__version__}
+    if args.compile_only:
+        print_table("jaxtrain compile", [("config", f"{args.config} {' '.join(args.overrides)}"),
+                                         ("layers", str(cfg.model.n_layers)), ("compile", fmt(b.compile_s, " s", digits=2))])
+        write_json(args.json, info)
+        return 0
+    if args.serve:
+        b.run(args.warmup)
+
+        def run_steps(n: int) -> dict:
+            before = matmul_peak(cfg.model.dtype)
+            times = b.run(n)
+            return {"times": times, "matmul_peak": [before, matmul_peak(cfg.model.dtype)], "loss": b.last_loss}
+        serve(info, run_steps)
+        return 0
+
+    peaks = [matmul_peak(cfg.model.dtype)]
+    b.run(args.warmup)
+    times = b.run(args.steps)
+    peaks.append(matmul_peak(cfg.model.dtype))
+    s = stats(times)
+    tps = b.tokens_per_step / s["median_s"]
+    measured = max(peaks)
+    if dev.platform == "cpu" and cfg.train.peak_tflops is None:
+        peak, src = measured, "best matmul measured in this run"
+    else:
+        peak, src = peak_src
+
+    info.update(stats=s, tokens_per_sec=tps, matmul_peak_samples=peaks, matmul_peak=measured,
+                fraction_of_matmul_peak=tps * b.fpt / measured, mfu=flops.mfu(tps, b.fpt, peak), peak_source=src,
+                final_loss=b.last_loss, memory=b.memory(), wall_s=time.perf_counter() - t_start)
+    mem = info["memory"]
+    print_table(f"jaxtrain step: {args.config} {' '.join(args.overrides)}", [
+        ("device", f"{dev.device_kind} x{len(jax.devices())} ({cfg.model.dtype})"),
+        ("params", f"{b.n_params / 1e6:.2f}M, {b.fpt / 1e6:.1f} MFLOP/token"),
+        ("compile", fmt(b.compile_s, " s", digits=2)),
+        ("step time (median)", f"{s['median_s'] * 1e3:.1f} ms over {s['steps']} steps "
+                               f"(p10 {s['p10_s'] * 1e3:.1f}, p90 {s['p90_s'] * 1e3:.1f}, spread {s['spread']:.1%})"),
+        ("tokens/s", f"{tps:,.0f}"),
+        ("achieved", fmt(tps * b.fpt, " GFLOP/s", 1e9)),
+        ("matmul peak (this run)", " / ".join(fmt(x, "", 1e9) for x in peaks) + " GFLOP/s (before / after)"),
+        ("MFU", fmt(info["mfu"] and 100 * info["mfu"], "%") + f" ({info['peak_source']})"),
+        ("host peak RSS", fmt(mem["host_peak_rss_bytes"], " MiB", 2 ** 20)),
+        ("device peak", fmt(mem["device_peak_bytes"], " MiB", 2 ** 20)),
+        ("compiled temp", fmt(mem["compiled_temp_bytes"], " MiB", 2 ** 20)),
+    ])
+    write_json(args.json, info)
+    if args.write_results:
+        with HERE_RESULTS.open("a") as f:
+            f.write(results_row(info) + "\n")
+        print(f"appended a row to {HERE_RESULTS}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

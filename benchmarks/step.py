@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import sys
 import time
 

@@ -1,6 +1,5 @@
 """Shared test set-up: 8 simulated CPU devices, the persistent compile cache, small configs."""
 import os
-import sys
 from pathlib import Path
 
 # Must happen before jax is imported anywhere.

@@ -14,7 +14,7 @@ def np_rmsnorm(x, w, eps):
 
 def np_rope(x, theta):
     # Complex-number form of RoPE on (i, i + half) pairs: x_j + i*x_{j+half} rotated by pos*theta^(-2j/d).
-    t, h, d = x.shape[1], x.shape[2], x.shape[3]
+    t, d = x.shape[1], x.shape[3]
     half = d // 2
     freqs = theta ** (-np.arange(half) / half)
     rot = np.exp(1j * np.arange(t)[:, None] * freqs)[None, :, None, :]

@@ -1,27 +1,19 @@
-"""Typed run configuration: YAML file + dotted ``key=value`` overrides.
+"""The typed run-config schema and its value checks.
 
-The schema is a tree of pydantic models with ``extra='forbid'``. Loading goes
-YAML -> overrides -> unknown-key check (with a "did you mean" suggestion) ->
-pydantic type validation -> cross-field checks. Every failure is a
-:class:`ConfigError` whose message starts with the offending dotted key, and
-all of it happens before anything is compiled.
+A tree of pydantic models with ``extra='forbid'`` and strict types; cross-field
+checks raise :class:`ConfigError` whose message starts with the offending dotted
+key, all before anything is compiled. Loading from YAML + overrides is in
+``jaxtrain.config.loading``.
 
 The built-in defaults *are* the default job: a small Llama trained byte-level
 on the running interpreter's standard library (``data.path: stdlib``).
 """
 from __future__ import annotations
 
-import difflib
 import math
-import os
-import re
-import types
-import typing
-from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Literal, Optional
 
-import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, model_validator
 
 MESH_AXES = ("data", "fsdp", "tensor", "sequence", "expert")
 
@@ -289,164 +281,3 @@ def check_against_mesh(cfg: Config, axis_sizes: dict[str, int], platform: Option
         if getattr(cfg.model, key) % tp:
             raise ConfigError(
                 f"model.{key}: {getattr(cfg.model, key)} is not divisible by mesh.tensor={tp}")
-
-
-# --------------------------------------------------------------------------- loading
-
-
-def _fields(model_cls: type[BaseModel]) -> dict[str, Any]:
-    return model_cls.model_fields
-
-
-def _check_keys(tree: Any, model_cls: type[BaseModel], prefix: str = "") -> None:
-    if not isinstance(tree, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {tree!r}")
-    fields = _fields(model_cls)
-    for key, value in tree.items():
-        dotted = f"{prefix}{key}"
-        if key not in fields:
-            valid = [f"{prefix}{k}" for k in fields]
-            close = difflib.get_close_matches(dotted, valid, n=1, cutoff=0.5)
-            hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(valid)}"
-            raise ConfigError(f"unknown config key '{dotted}'{hint}")
-        sub = fields[key].annotation
-        if isinstance(sub, type) and issubclass(sub, BaseModel):
-            _check_keys(value, sub, dotted + ".")
-
-
-def _annotation(path: list[str]) -> Any:
-    """The schema annotation of a dotted path, or None if the path is not in the schema."""
-    cls: Any = Config
-    for part in path:
-        if not (isinstance(cls, type) and issubclass(cls, BaseModel)) or part not in cls.model_fields:
-            return None
-        cls = cls.model_fields[part].annotation
-    return cls
-
-
-def _is_string_field(annotation: Any) -> bool:
-    if annotation is str:
-        return True
-    args = typing.get_args(annotation)
-    if typing.get_origin(annotation) is Literal:
-        return all(isinstance(a, str) for a in args)
-    return typing.get_origin(annotation) in (typing.Union, types.UnionType) and str in args  # Optional[str]
-
-
-def parse_override(item: str) -> tuple[list[str], Any]:
-    """``'train.steps=10'`` -> (['train', 'steps'], 10).
-
-    Values are parsed as YAML scalars, except for string fields, which take the
-    text as written (``data.path=2024`` stays '2024'; ``null`` still means None).
-    """
-    if "=" not in item:
-        raise ConfigError(f"override '{item}': expected dotted key=value, e.g. train.steps=100")
-    key, raw = item.split("=", 1)
-    if not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"override '{item}': empty key")
-    path = key.split(".")
-    if _is_string_field(_annotation(path)) and raw not in ("null", "~"):
-        return path, raw
-    try:
-        value = yaml.load(raw, Loader=UniqueKeyLoader) if raw != "" else ""
-    except yaml.YAMLError:
-        value = raw
-    if isinstance(value, str) and float in (_annotation(path), *typing.get_args(_annotation(path))):
-        try:
-            value = float(raw)  # 'nan', 'inf' (checked later with a named error)
-        except ValueError:
-            pass
-    return path, value
-
-
-def _set(tree: dict, path: list[str], value: Any) -> None:
-    node = tree
-    for part in path[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"override '{'.'.join(path)}': '{part}' is not a section")
-    node[path[-1]] = value
-
-
-def _validation_to_config_error(err: ValidationError) -> ConfigError:
-    first = err.errors()[0]
-    key = ".".join(str(p) for p in first["loc"]) or "config"
-    got = first.get("input")
-    if first["type"] == "value_error" and isinstance(first.get("ctx", {}).get("error"), ConfigError):
-        return first["ctx"]["error"]
-    return ConfigError(f"{key}: {first['msg']} (got {got!r})")
-
-
-def from_dict(tree: dict) -> Config:
-    """Validates a plain nested dict. Raises ConfigError naming the key."""
-    _check_keys(tree, Config)
-    try:
-        return Config.model_validate(tree)
-    except ValidationError as err:
-        raise _validation_to_config_error(err) from None
-
-
-def load(path: Optional[str] = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Loads ``path`` (YAML, or None for the built-in default) and applies overrides.
-
-    Args:
-      path: a YAML file, or a config name found in ``configs/`` (e.g. 'shakespeare_char').
-      overrides: dotted ``key=value`` strings, applied in order after the file.
-
-    Raises:
-      ConfigError: missing file, bad YAML, unknown key, wrong type or inconsistent value.
-    """
-    tree: dict = {}
-    if path is not None:
-        file = resolve_resource(path, "configs", "--config")
-        try:
-            loaded = yaml.load(file.read_text(), Loader=UniqueKeyLoader)
-        except yaml.YAMLError as err:
-            raise ConfigError(f"config file {file}: invalid YAML: {err}") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config file {file}: top level must be a mapping")
-        tree = loaded or {}
-    for item in overrides:
-        key, value = parse_override(item)
-        _set(tree, key, value)
-    return from_dict(tree)
-
-
-class UniqueKeyLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that rejects a key given twice in one mapping (instead of last-wins)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key '{key}'", key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
-# YAML 1.1 reads '3e-4' (no dot) as a string; read it as the float everyone means.
-UniqueKeyLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"))
-
-
-def resolve_resource(name: str, folder: str, key: str) -> Path:
-    """Finds a YAML file given as a path, or by name in ``configs/`` / ``sharding_rules/``.
-
-    Looks in the source checkout first, then in the installed package data.
-    Raises ConfigError if nothing matches.
-    """
-    candidate = Path(os.path.expanduser(name))
-    if candidate.is_file():
-        return candidate
-    stem = name if name.endswith((".yaml", ".yml")) else name + ".yaml"
-    roots = [Path(__file__).resolve().parent.parent / folder, Path(__file__).resolve().parent / folder]
-    for root in roots:
-        if (root / stem).is_file():
-            return root / stem
-    known = sorted({p.stem for r in roots if r.is_dir() for p in r.glob("*.yaml")})
-    raise ConfigError(f"{key}: {folder} file '{name}' not found (not a file; known names: "
-                      f"{', '.join(known) or 'none'})")

@@ -161,8 +161,12 @@ def build(cfg: Config, mesh: Mesh, rules: Rules, vocab_size: int) -> Trainer:
                 loss, grads = jax.value_and_grad(forward_loss)(state["params"], b, denom)
                 return (loss_sum + loss, jax.tree_util.tree_map(jnp.add, grad_sum, grads)), None
 
-            zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), state["params"])
-            (loss, grad_sum), _ = jax.lax.scan(micro, (jnp.zeros((), jnp.float32), zeros), batch)
+            if cfg.train.grad_accum == 1:  # no loop: lets XLA fuse across the step, same numbers
+                loss, grad_sum = jax.value_and_grad(forward_loss)(
+                    state["params"], jax.tree_util.tree_map(lambda x: x[0], batch), denom)
+            else:
+                zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), state["params"])
+                (loss, grad_sum), _ = jax.lax.scan(micro, (jnp.zeros((), jnp.float32), zeros), batch)
             grads = jax.tree_util.tree_map(lambda g, p: g.astype(p.dtype), grad_sum, state["params"])
             grads = jax.lax.with_sharding_constraint(grads, param_sh)
             updates, opt_state = tx.update(grads, state["opt_state"], state["params"])

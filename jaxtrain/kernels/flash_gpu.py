@@ -117,6 +117,18 @@ def _dkdv_kernel(qseg_ref, kvseg_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delt
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
+def _query_block_specs(bq: int, tk: int, d: int, g: int) -> list:
+    """Blocks for grid (batch, head, q block): q segment ids, all kv segment ids, the q block,
+    and the whole K and V of this head's KV group (head h reads KV head h // g)."""
+    return [
+            pl.BlockSpec((None, bq), lambda b_, h_, i: (b_, i)),
+            pl.BlockSpec((None, tk), lambda b_, h_, i: (b_, 0)),
+            pl.BlockSpec((None, bq, None, d), lambda b_, h_, i: (b_, i, h_, 0)),
+            pl.BlockSpec((None, tk, None, d), lambda b_, h_, i: (b_, 0, h_ // g, 0)),
+            pl.BlockSpec((None, tk, None, d), lambda b_, h_, i: (b_, 0, h_ // g, 0)),
+    ]
+
+
 def _fwd(q, k, v, qseg, kvseg, p: FlashParams):
     b, tq, h, d = q.shape
     tk, kvh = k.shape[1], k.shape[2]
@@ -125,13 +137,7 @@ def _fwd(q, k, v, qseg, kvseg, p: FlashParams):
     o, lse = pl.pallas_call(
         lambda *refs: _fwd_kernel(*refs, p=p, n_kv=n_kv),
         grid=(b, h, tq // bq),
-        in_specs=[
-            pl.BlockSpec((None, bq), lambda b_, h_, i: (b_, i)),
-            pl.BlockSpec((None, tk), lambda b_, h_, i: (b_, 0)),
-            pl.BlockSpec((None, bq, None, d), lambda b_, h_, i: (b_, i, h_, 0)),
-            pl.BlockSpec((None, tk, None, d), lambda b_, h_, i: (b_, 0, h_ // g, 0)),
-            pl.BlockSpec((None, tk, None, d), lambda b_, h_, i: (b_, 0, h_ // g, 0)),
-        ],
+        in_specs=_query_block_specs(bq, tk, d, g),
         out_specs=[
             pl.BlockSpec((None, bq, None, d), lambda b_, h_, i: (b_, i, h_, 0)),
             pl.BlockSpec((None, None, bq), lambda b_, h_, i: (b_, h_, i)),
@@ -151,12 +157,7 @@ def _bwd(q, k, v, qseg, kvseg, o, lse, do, p: FlashParams):
     dq = pl.pallas_call(
         lambda *refs: _dq_kernel(*refs, p=p, n_kv=tk // bk),
         grid=(b, h, tq // bq),
-        in_specs=[
-            pl.BlockSpec((None, bq), lambda b_, h_, i: (b_, i)),
-            pl.BlockSpec((None, tk), lambda b_, h_, i: (b_, 0)),
-            pl.BlockSpec((None, bq, None, d), lambda b_, h_, i: (b_, i, h_, 0)),
-            pl.BlockSpec((None, tk, None, d), lambda b_, h_, i: (b_, 0, h_ // g, 0)),
-            pl.BlockSpec((None, tk, None, d), lambda b_, h_, i: (b_, 0, h_ // g, 0)),
+        in_specs=_query_block_specs(bq, tk, d, g) + [
             pl.BlockSpec((None, bq, None, d), lambda b_, h_, i: (b_, i, h_, 0)),
             pl.BlockSpec((None, None, bq), lambda b_, h_, i: (b_, h_, i)),
             pl.BlockSpec((None, None, bq), lambda b_, h_, i: (b_, h_, i)),

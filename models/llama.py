@@ -63,6 +63,18 @@ class LlamaConfig:
         return self.d_model // self.n_heads
 
 
+def project(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
+    """Contracts x's last ``n_in`` dims with w's first ``n_in``: [*lead, *in] x [*in, *out] -> [*lead, *out].
+
+    Done as one 2-D matmul on [prod(lead), prod(in)] (row-major reshapes are free): XLA:CPU
+    lowers a 3-D dot_general's weight gradient (contracting batch and length) with a
+    transposing copy fused into the producer, which made the 25M benchmark step ~1.8x slower.
+    """
+    lead, dims_in, dims_out = x.shape[:x.ndim - n_in], w.shape[:n_in], w.shape[n_in:]
+    k = math.prod(dims_in)
+    return (x.reshape(-1, k) @ w.reshape(k, -1)).reshape(*lead, *dims_out)
+
+
 def _param(rngs: nnx.Rngs, shape, axes, std, dtype) -> nnx.Param:
     return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.dtype(dtype)), axes=axes)
 
@@ -106,9 +118,9 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: Optional[jax.Array] = None) -> jax.Array:
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
-        q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt))
-        k = jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dt))
-        v = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dt))
+        q = project(x, self.wq[...].astype(dt))  # [b, t, heads, kv]
+        k = project(x, self.wk[...].astype(dt))
+        v = project(x, self.wv[...].astype(dt))
         q = constrain(rotary(q, positions, cfg.rope_theta), "batch", "length", "heads", "kv")
         # K/V get their own length name: sequence parallelism gathers them over the full length.
         # Ring attention keeps K/V split like the queries (it rotates them), so no gather.
@@ -117,7 +129,7 @@ class Attention(nnx.Module):
         v = constrain(v, "batch", kv_len, "kv_heads", "kv")
         out = attention(q, k, v, segment_ids=segment_ids, implementation=cfg.attention)
         out = constrain(out, "batch", "length", "heads", "kv")
-        return jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(dt))
+        return project(out, self.wo[...].astype(dt), n_in=2)
 
 
 class MLP(nnx.Module):
@@ -133,9 +145,9 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = self.dtype
-        gate = jax.nn.silu(x @ self.w_gate[...].astype(dt))
-        hidden = constrain(gate * (x @ self.w_up[...].astype(dt)), "batch", "length", "mlp")
-        return hidden @ self.w_down[...].astype(dt)
+        gate = jax.nn.silu(project(x, self.w_gate[...].astype(dt)))
+        hidden = constrain(gate * project(x, self.w_up[...].astype(dt)), "batch", "length", "mlp")
+        return project(hidden, self.w_down[...].astype(dt))
 
 
 class Block(nnx.Module):
@@ -186,7 +198,7 @@ class Llama(nnx.Module):
                 x = remat_block(block, x, positions, segment_ids, self.cfg.remat)
         x = self.final_norm(x)
         head = self.embed.embedding[...].T if self.cfg.tie_embeddings else self.lm_head[...]
-        logits = (x @ head.astype(dt)).astype(jnp.float32)
+        logits = project(x, head.astype(dt)).astype(jnp.float32)
         return constrain(logits, "batch", "length", "vocab")
 
 

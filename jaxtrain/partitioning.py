@@ -240,3 +240,15 @@ def active_sharding() -> Optional[tuple[Rules, Mesh]]:
     For kernels that must run under ``shard_map`` (ring attention); model code never calls it.
     """
     return _ACTIVE.get()
+
+
+def devices_along(shape: Sequence[int], logical: Sequence[Optional[str]], dim: int) -> int:
+    """How many devices the active rules split dimension ``dim`` of an activation over (1 outside
+    :func:`activation_sharding`). Lets model code pick an algorithm without naming the mesh."""
+    active = _ACTIVE.get()
+    if active is None:
+        return 1
+    rules, mesh = active
+    axes = rules.spec(f"activation{tuple(logical)}", logical, shape, mesh)[dim]
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+    return math.prod(mesh.shape[a] for a in axes)

@@ -169,15 +169,19 @@ def build(cfg: Config, mesh: Mesh, rules: Rules, vocab_size: int) -> Trainer:
                 (loss, grad_sum), _ = jax.lax.scan(micro, (jnp.zeros((), jnp.float32), zeros), batch)
             grads = jax.tree_util.tree_map(lambda g, p: g.astype(p.dtype), grad_sum, state["params"])
             grads = jax.lax.with_sharding_constraint(grads, param_sh)
-            updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-            params = optax.apply_updates(state["params"], updates)
             # Non-finite guard: a step with a NaN/inf loss or gradient keeps params and optimizer
-            # state as they were (the step counter and data still advance) and is counted.
+            # state as they were (the step counter and data still advance) and is counted. A cond,
+            # not a select over the whole state: the update runs only when taken, and no extra pass
+            # over params and moments is made (a per-leaf where cost ~3% of the 25M CPU step).
             grad_norm = optax.tree.norm(grads)
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-            keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-            params = jax.tree_util.tree_map(keep, params, state["params"])
-            opt_state = jax.tree_util.tree_map(keep, opt_state, state["opt_state"])
+
+            def update(params, opt_state):
+                updates, opt_state = tx.update(grads, opt_state, params)
+                return optax.apply_updates(params, updates), opt_state
+
+            params, opt_state = jax.lax.cond(finite, update, lambda p, o: (p, o),
+                                             state["params"], state["opt_state"])
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(cfg)(state["step"]),
                    "nonfinite": (~finite).astype(jnp.int32)}
         new_state = {"params": params, "opt_state": opt_state, "step": state["step"] + 1, "rng": state["rng"]}

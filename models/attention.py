@@ -8,12 +8,15 @@ when q_len != kv_len (see jaxtrain/kernels/reference.py).
 
 Implementations (``model.attention``):
   xla     ``jax.nn.dot_product_attention(implementation='xla')``; any backend.
+  blockwise  causal self-attention by query blocks in plain jnp, skipping the masked key
+          blocks (jaxtrain/kernels/blockwise.py); any backend, the fast one on CPU.
   cudnn   ``jax.nn.dot_product_attention(implementation='cudnn')``; GPU only.
   pallas  our FlashAttention-2 kernels: Triton lowering on GPU, Mosaic on TPU, the GPU
           kernels in interpret mode on CPU (slow; for tests).
   ring    ring attention over the mesh axis that shards 'length' (jaxtrain/kernels/ring.py).
   auto    GPU: cudnn when its constraints hold (bf16/fp16, head_dim <= 128 and % 8 == 0,
-          q_len == kv_len, no segment ids, no window), else pallas; TPU: pallas; CPU: xla.
+          q_len == kv_len, no segment ids, no window), else pallas; TPU: pallas; CPU:
+          blockwise for causal self-attention whose length the rules do not shard, else xla.
           The choice is logged once per distinct choice.
 """
 from __future__ import annotations
@@ -24,9 +27,10 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from jaxtrain.kernels import flash_gpu, flash_tpu, reference, ring
+from jaxtrain.kernels import blockwise, flash_gpu, flash_tpu, reference, ring
+from jaxtrain.partitioning import devices_along
 
-IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas", "ring")
+IMPLEMENTATIONS = ("auto", "xla", "blockwise", "cudnn", "pallas", "ring")
 log = logging.getLogger("jaxtrain.attention")
 _logged: set = set()
 
@@ -42,6 +46,13 @@ def xla_attention(q, k, v, segment_ids=None, causal=True, window=None):
         mask = reference.attention_mask(q.shape[1], k.shape[1], segment_ids, segment_ids, causal, window)
         return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation="xla")
     return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla")
+
+
+def blockwise_attention(q, k, v, segment_ids=None, causal=True, window=None):
+    """Causal self-attention by query blocks (jaxtrain/kernels/blockwise.py)."""
+    if not causal:
+        raise ValueError("model.attention=blockwise: only causal attention is supported")
+    return blockwise.blockwise_attention(q, k, v, segment_ids, window=window)
 
 
 def cudnn_attention(q, k, v, segment_ids=None, causal=True, window=None):
@@ -83,7 +94,8 @@ def cudnn_fits(q, k, segment_ids, window) -> Optional[str]:
     return None
 
 
-def choose(implementation: str, q, k, segment_ids=None, window=None, backend: Optional[str] = None) -> str:
+def choose(implementation: str, q, k, segment_ids=None, window=None, backend: Optional[str] = None,
+           causal: bool = True) -> str:
     """Resolves ``auto`` and checks that an explicit choice can run here.
 
     Raises:
@@ -103,15 +115,19 @@ def choose(implementation: str, q, k, segment_ids=None, window=None, backend: Op
         choice, reason = ("cudnn", "cuDNN constraints hold") if why is None else ("pallas", f"not cuDNN: {why}")
     elif backend == "tpu":
         choice, reason = "pallas", "TPU"
+    elif not causal or q.shape[1] != k.shape[1]:
+        choice, reason = "xla", f"backend {backend}, not causal self-attention"
+    elif devices_along(q.shape, ("batch", "length", "heads", "kv"), 1) > 1:  # slicing a sharded length into blocks would move data between devices
+        choice, reason = "xla", f"backend {backend}, length sharded"
     else:
-        choice, reason = "xla", f"backend {backend}"
+        choice, reason = "blockwise", f"backend {backend}"
     if (choice, reason) not in _logged:
         _logged.add((choice, reason))
         log.info("model.attention=auto -> %s (%s)", choice, reason)
     return choice
 
 
-_FUNCTIONS = {"xla": xla_attention, "cudnn": cudnn_attention, "pallas": pallas_attention, "ring": ring_attention}
+_FUNCTIONS = {"xla": xla_attention, "blockwise": blockwise_attention, "cudnn": cudnn_attention, "pallas": pallas_attention, "ring": ring_attention}
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Optional[jax.Array] = None,
@@ -123,5 +139,5 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Optional[ja
     Raises:
       ValueError: unknown implementation; AttentionBackendError: cudnn off a GPU.
     """
-    fn = _FUNCTIONS[choose(implementation, q, k, segment_ids, window)]
+    fn = _FUNCTIONS[choose(implementation, q, k, segment_ids, window, causal=causal)]
     return fn(q, k, v, segment_ids=segment_ids, causal=causal, window=window)

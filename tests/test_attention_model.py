@@ -20,12 +20,12 @@ def test_auto_picks_per_backend_and_logs(caplog):
     seg = jnp.zeros((1, 8), jnp.int32)
     attn._logged.clear()
     with caplog.at_level(logging.INFO, logger="jaxtrain.attention"):
-        assert attn.choose("auto", q32, q32) == "xla"  # this CPU
+        assert attn.choose("auto", q32, q32) == "blockwise"  # this CPU
         assert attn.choose("auto", q16, q16, backend="gpu") == "cudnn"
         assert attn.choose("auto", q16, q16, seg, backend="gpu") == "pallas"
         assert attn.choose("auto", q32, q32, backend="gpu") == "pallas"
         assert attn.choose("auto", q32, q32, backend="tpu") == "pallas"
-    assert "model.attention=auto -> xla (backend cpu)" in caplog.text
+    assert "model.attention=auto -> blockwise (backend cpu)" in caplog.text
     assert "model.attention=auto -> pallas (not cuDNN: segment_ids" in caplog.text
 
 

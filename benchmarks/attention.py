@@ -2,6 +2,7 @@
 
     python benchmarks/attention.py                      # GPU: seq 2k/4k/8k, head_dim 128, bf16, causal
     python benchmarks/attention.py --cpu-smoke          # tiny sizes on CPU (Pallas in interpret mode)
+    python benchmarks/attention.py --cpu                # CPU: xla vs blockwise at the 25M config's shape
     python benchmarks/attention.py --ring-memory        # per-device bytes, ring vs all-gathered K/V,
                                                         # 8k tokens on 8 simulated CPU devices
 
@@ -30,6 +31,8 @@ def parse(argv):
     p.add_argument("--non-causal", action="store_true")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, f32, xla + pallas (interpret)")
+    p.add_argument("--cpu", action="store_true", help="llama_25m's shape (batch 8, 8 heads of 64, seq 64/256), "
+                   "f32, xla vs blockwise")
     p.add_argument("--ring-memory", action="store_true", help="compiled memory of ring vs all-gather K/V")
     p.add_argument("--ring-seq", type=int, default=8192)
     p.add_argument("--ring-devices", type=int, default=8)
@@ -37,6 +40,9 @@ def parse(argv):
     if args.cpu_smoke:
         args.seqs, args.batch, args.heads, args.kv_heads, args.head_dim = "128,256", 1, 2, 1, 64
         args.dtype, args.impls, args.iters = "float32", "xla,pallas", 2
+    if args.cpu:
+        args.seqs, args.batch, args.heads, args.kv_heads, args.head_dim = "64,256", 8, 8, 8, 64
+        args.dtype, args.impls = "float32", "xla,blockwise"
     return args
 
 
@@ -66,7 +72,7 @@ def speed(args) -> int:
     print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}, "
           f"batch {args.batch}, heads {args.heads}/{args.kv_heads}, head_dim {args.head_dim}, {args.dtype}, "
           f"{'causal' if causal else 'non-causal'}")
-    print(f"{'impl':8} {'seq':>6} {'fwd ms':>9} {'fwd TF/s':>9} {'bwd ms':>9} {'bwd TF/s':>9}")
+    print(f"{'impl':9} {'seq':>6} {'fwd ms':>9} {'fwd TF/s':>9} {'bwd ms':>9} {'bwd TF/s':>9}")
     for seq in [int(s) for s in args.seqs.split(",")]:
         key = jax.random.split(jax.random.PRNGKey(0), 4)
         q = jax.random.normal(key[0], (args.batch, seq, args.heads, args.head_dim), dtype)
@@ -85,10 +91,10 @@ def speed(args) -> int:
                 t_f = _median_time(fwd, (q, k, v), args.iters)
                 t_fb = _median_time(jax.jit(fwd_bwd), (q, k, v), args.iters)
             except Exception as err:  # e.g. cudnn off a GPU, or out of memory: report, keep going
-                print(f"{impl:8} {seq:>6}  unavailable: {type(err).__name__}: {str(err).splitlines()[0][:90]}")
+                print(f"{impl:9} {seq:>6}  unavailable: {type(err).__name__}: {str(err).splitlines()[0][:90]}")
                 continue
             t_b = max(t_fb - t_f, 1e-9)
-            print(f"{impl:8} {seq:>6} {t_f * 1e3:9.3f} {flops / t_f / 1e12:9.2f} {t_b * 1e3:9.3f} "
+            print(f"{impl:9} {seq:>6} {t_f * 1e3:9.3f} {flops / t_f / 1e12:9.2f} {t_b * 1e3:9.3f} "
                   f"{2.5 * flops / t_b / 1e12:9.2f}", flush=True)
     return 0
 
@@ -140,7 +146,7 @@ def ring_memory(args) -> int:
 
 def main(argv=None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
-    if args.cpu_smoke or args.ring_memory:
+    if args.cpu_smoke or args.cpu or args.ring_memory:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if args.ring_memory and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +

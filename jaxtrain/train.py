@@ -8,6 +8,7 @@ optimizer, step, RNG and data position.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
@@ -279,9 +280,20 @@ def enable_compilation_cache() -> None:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser("~/.cache/jaxtrain/xla"))
 
 
+def log_to_console() -> None:
+    """Shows the library's INFO lines (e.g. which attention ``model.attention=auto`` picked) on stderr."""
+    log = logging.getLogger("jaxtrain")
+    if not log.handlers and not logging.getLogger().handlers:  # else the root's handler prints them
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+    log.setLevel(logging.INFO)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     config, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     enable_compilation_cache()
+    log_to_console()
     try:
         run(load(config, overrides))
     except USER_ERRORS as err:

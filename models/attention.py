@@ -107,7 +107,12 @@ def choose(implementation: str, q, k, segment_ids=None, window=None, backend: Op
                          f"(known: {', '.join(IMPLEMENTATIONS)})")
     if implementation == "cudnn" and backend != "gpu":
         raise AttentionBackendError(f"model.attention=cudnn needs a GPU; the backend is '{backend}' "
-                                    "(use auto, xla or pallas)")
+                                    "(use auto, blockwise, xla or pallas)")
+    if implementation == "blockwise" and devices_along(q.shape, ("batch", "length", "heads", "kv"), 1) > 1:
+        if ("blockwise", "sharded") not in _logged:
+            _logged.add(("blockwise", "sharded"))
+            log.warning("model.attention=blockwise with the length split over devices: the query blocks "
+                        "cut across devices and XLA moves them between devices (use ring or xla)")
     if implementation != "auto":
         return implementation
     if backend == "gpu":

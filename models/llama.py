@@ -54,7 +54,7 @@ class LlamaConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     init_std: float = 0.02
-    attention: str = "xla"  # see models/attention.py
+    attention: str = "auto"  # see models/attention.py
     scan_layers: bool = False  # stack the blocks and lax.scan over them
     remat: str = "none"  # none | full | save_matmuls
 
@@ -69,7 +69,9 @@ def project(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
     Done as one 2-D matmul on [prod(lead), prod(in)] (row-major reshapes are free): XLA:CPU
     lowers a 3-D dot_general's weight gradient (contracting batch and length) with a
     transposing copy fused into the producer, which made the 25M benchmark step ~1.8x
-    slower. When the rules split the length over devices, a plain tensordot instead.
+    slower. When the rules split the logical 'length' over devices (sp), a plain tensordot
+    instead: merging a split length into the batch made GSPMD all-gather ~10x more. (tp splits
+    'residual_length' instead; the projection gathers it either way, with the same collectives.)
     """
     lead, dims_in, dims_out = x.shape[:x.ndim - n_in], w.shape[:n_in], w.shape[n_in:]
     if len(lead) == 2 and devices_along(lead, ("batch", "length"), 1) > 1:

@@ -1,4 +1,6 @@
 """Blockwise causal attention (the CPU path of model.attention=auto) against the jnp reference."""
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,9 +49,11 @@ def test_rejects_cross_attention():
         blockwise_attention(q, k, v)
     with pytest.raises(ValueError, match="model.attention=blockwise: only causal attention is supported"):
         attn.attention(q, q, q, implementation="blockwise", causal=False)
+    with pytest.raises(ValueError, match=r"blockwise attention needs window >= 1 \(a query must see itself\); got 0"):
+        blockwise_attention(q, q, q, window=0)
 
 
-def test_auto_on_cpu():
+def test_auto_on_cpu(caplog):
     q, k, _, _ = inputs(2, 16, 16, 4, 4, 8)
     kx, _, _, _ = inputs(2, 24, 24, 4, 4, 8)
     assert attn.choose("auto", q, k) == "blockwise"
@@ -58,5 +62,9 @@ def test_auto_on_cpu():
     # A rule set that splits 'length' (sp on sequence=2): blocks would cut across devices.
     with activation_sharding(Rules.load("sp"), build_mesh(MeshConfig(data=1, sequence=2), jax.devices()[:2])):
         assert attn.choose("auto", q, k) == "xla"
+        attn._logged.clear()
+        with caplog.at_level(logging.WARNING, logger="jaxtrain.attention"):
+            assert attn.choose("blockwise", q, k) == "blockwise"  # explicit: honoured, with a warning
+        assert "model.attention=blockwise with the length split over devices" in caplog.text
     with activation_sharding(Rules.load("fsdp"), build_mesh(MeshConfig(data=1, fsdp=2), jax.devices()[:2])):
         assert attn.choose("auto", q, k) == "blockwise"

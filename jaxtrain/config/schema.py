@@ -265,7 +265,7 @@ def check_against_mesh(cfg: Config, axis_sizes: dict[str, int], platform: Option
     """
     if cfg.model.attention == "cudnn" and platform is not None and platform != "gpu":
         raise ConfigError(f"model.attention: cudnn needs a GPU, the devices are '{platform}' "
-                          "(use auto, xla or pallas)")
+                          "(use auto, blockwise, xla or pallas)")
     batch_div = axis_sizes["data"] * axis_sizes["fsdp"] * axis_sizes["expert"]
     if cfg.micro_batch % batch_div:
         raise ConfigError(

@@ -19,7 +19,9 @@ fields of HF ``LlamaConfig``). Tensor names and layouts follow HF
   lm_head.weight                               [vocab, d]        = lm_head transposed (absent when tied)
 
 Rotary embeddings already use HF's rotate_half convention, so q/k need no
-permutation. Dtypes are kept (bf16 stays bf16). Import is the exact inverse:
+permutation. With ``model.scan_layers`` our blocks are stacked on a leading layer dim
+(``layers.attn.wq [layers, d, heads, hd]``); they are unstacked on export and stacked on
+import, so both layouts give the same files. Dtypes are kept (bf16 stays bf16). Import is the exact inverse:
 it writes a run directory whose step-0 checkpoint holds the imported params
 and a fresh optimizer state, so ``python -m jaxtrain.train`` with the same
 config continues from them.
@@ -45,12 +47,14 @@ from jaxtrain.partitioning import Rules
 WEIGHTS_FILE = "model.safetensors"
 
 
-def to_hf(params: dict, n_layers: int) -> dict[str, jax.Array]:
-    """Our param tree (``nnx.to_pure_dict`` layout) -> HF Llama tensors (see module docstring)."""
+def to_hf(params: dict, n_layers: int, scanned: bool = False) -> dict[str, jax.Array]:
+    """Our param tree (``nnx.to_pure_dict`` layout; ``scanned``: blocks stacked on a leading
+    layer dim) -> HF Llama tensors (see module docstring)."""
     out = {"model.embed_tokens.weight": params["embed"]["embedding"],
            "model.norm.weight": params["final_norm"]["scale"]}
     for i in range(n_layers):
-        layer, pre = params["layers"][i], f"model.layers.{i}."
+        layer = jax.tree_util.tree_map(lambda x: x[i], params["layers"]) if scanned else params["layers"][i]
+        pre = f"model.layers.{i}."
         a, m = layer["attn"], layer["mlp"]
         d = a["wq"].shape[0]
         for name in ("q", "k", "v"):
@@ -113,6 +117,8 @@ def from_hf(tensors: dict, cfg: Config) -> dict:
             "attn_norm": {"scale": t[pre + "input_layernorm.weight"]},
             "mlp_norm": {"scale": t[pre + "post_attention_layernorm.weight"]},
         }
+    if m.scan_layers:  # one block whose leaves carry a leading layer dim
+        layers = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *(layers[i] for i in range(m.n_layers)))
     params = {"embed": {"embedding": t["model.embed_tokens.weight"]}, "layers": layers,
               "final_norm": {"scale": t["model.norm.weight"]}}
     if not m.tie_embeddings:
@@ -169,7 +175,7 @@ def export(run_dir: Path, out_dir: Path, step: Optional[int] = None) -> Path:
         ckpt.close()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(to_hf(state["params"], cfg.model.n_layers), str(out_dir / WEIGHTS_FILE),
+    save_file(to_hf(state["params"], cfg.model.n_layers, cfg.model.scan_layers), str(out_dir / WEIGHTS_FILE),
               metadata={"format": "pt", "jaxtrain_step": str(step)})
     (out_dir / "config.json").write_text(json.dumps(hf_config(cfg, vocab), indent=2) + "\n")
     return out_dir

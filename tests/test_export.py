@@ -88,3 +88,28 @@ def test_import_into_a_different_model_lists_every_problem(small_cfg, tmp_path):
     assert "  model.layers.0.mlp.down_proj.weight: shape (64, 128), expected (64, 96)" in lines
     assert "  model.layers.2.self_attn.q_proj.weight: missing (expected (64, 64))" in lines
     assert len(lines) == 1 + 3 * 2 + 9  # gate/up/down of 2 layers wrong, all 9 of layer 2 missing
+
+
+def test_scanned_layers_export_and_import_like_the_unscanned_layout(small_cfg, tmp_path):
+    # Same seed: the stacked layout starts from the same values (models/llama.py), so both runs
+    # must write byte-identical tensors, and importing into a scanned config must re-stack them.
+    outs = {}
+    for scan in ("false", "true"):
+        cfg = small_cfg("model.vocab_size=256", "mesh.data=1", f"model.scan_layers={scan}", run_dir=f"run_{scan}")
+        run_dir, params = saved_run(cfg, jax.devices()[:1])
+        outs[scan] = tmp_path / f"hf_{scan}"
+        assert exportlib.main([str(run_dir), str(outs[scan])]) == 0
+    assert params["layers"]["attn"]["wq"].shape == (2, 64, 4, 16)  # the scanned run's: stacked
+    with safe_open(str(outs["false"] / exportlib.WEIGHTS_FILE), "flax") as a, \
+            safe_open(str(outs["true"] / exportlib.WEIGHTS_FILE), "flax") as b:
+        assert set(a.keys()) == set(b.keys())
+        for name in a.keys():
+            np.testing.assert_array_equal(np.asarray(a.get_tensor(name)), np.asarray(b.get_tensor(name)), name)
+    cfg = small_cfg("model.vocab_size=256", "mesh.data=1", "model.scan_layers=true", run_dir="imported")
+    run_dir = exportlib.import_hf(outs["false"], cfg, jax.devices()[:1])
+    trainer = steplib.build(cfg, build_mesh(cfg.mesh, jax.devices()[:1]), Rules.load("fsdp_tp"), 256)
+    ckpt = ckptlib.Checkpointer(cfg, run_dir)
+    state, _ = ckpt.restore(0, ckptlib.abstract_like(jax.eval_shape(trainer.init), trainer.state_shardings))
+    ckpt.close()
+    for got, want in zip(jax.tree_util.tree_leaves(state["params"]), jax.tree_util.tree_leaves(params)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

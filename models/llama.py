@@ -100,15 +100,16 @@ class RMSNorm(nnx.Module):
 
 
 def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding, HF rotate_half convention. x: [batch, length, heads, kv]; positions: [batch, length] int."""
+    """Rotary embedding, HF rotate_half convention. x: [batch, length, heads, kv]; positions: [batch, length] int.
+
+    out = x * cos + rotate_half(x) * sin, written per half (one concatenate, no rotated copy of x).
+    """
     half = x.shape[-1] // 2
     inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [b, t, half]
-    cos = jnp.cos(jnp.concatenate([angles, angles], -1))[:, :, None, :]
-    sin = jnp.sin(jnp.concatenate([angles, angles], -1))[:, :, None, :]
-    x32 = x.astype(jnp.float32)
-    rot = jnp.concatenate([-x32[..., half:], x32[..., :half]], -1)
-    return (x32 * cos + rot * sin).astype(x.dtype)
+    angles = positions.astype(jnp.float32)[..., None, None] * inv_freq  # [b, t, 1, half]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
 class Attention(nnx.Module):

@@ -108,7 +108,9 @@ def choose(implementation: str, q, k, segment_ids=None, window=None, backend: Op
     if implementation == "cudnn" and backend != "gpu":
         raise AttentionBackendError(f"model.attention=cudnn needs a GPU; the backend is '{backend}' "
                                     "(use auto, blockwise, xla or pallas)")
-    if implementation == "blockwise" and devices_along(q.shape, ("batch", "length", "heads", "kv"), 1) > 1:
+    # Blocks cut from a length the rules split over devices would move between devices.
+    length_split = devices_along(q.shape, ("batch", "length", "heads", "kv"), 1) > 1
+    if implementation == "blockwise" and length_split:
         if ("blockwise", "sharded") not in _logged:
             _logged.add(("blockwise", "sharded"))
             log.warning("model.attention=blockwise with the length split over devices: the query blocks "
@@ -122,7 +124,7 @@ def choose(implementation: str, q, k, segment_ids=None, window=None, backend: Op
         choice, reason = "pallas", "TPU"
     elif not causal or q.shape[1] != k.shape[1]:
         choice, reason = "xla", f"backend {backend}, not causal self-attention"
-    elif devices_along(q.shape, ("batch", "length", "heads", "kv"), 1) > 1:  # slicing a sharded length into blocks would move data between devices
+    elif length_split:
         choice, reason = "xla", f"backend {backend}, length sharded"
     else:
         choice, reason = "blockwise", f"backend {backend}"
@@ -132,7 +134,8 @@ def choose(implementation: str, q, k, segment_ids=None, window=None, backend: Op
     return choice
 
 
-_FUNCTIONS = {"xla": xla_attention, "blockwise": blockwise_attention, "cudnn": cudnn_attention, "pallas": pallas_attention, "ring": ring_attention}
+_FUNCTIONS = {"xla": xla_attention, "blockwise": blockwise_attention, "cudnn": cudnn_attention,
+              "pallas": pallas_attention, "ring": ring_attention}
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Optional[jax.Array] = None,

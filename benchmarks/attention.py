@@ -108,7 +108,8 @@ def ring_memory(args) -> int:
 
     from jaxtrain.config import MESH_AXES
     from jaxtrain.models.attention import attention
-    from jaxtrain.partitioning import Rules, activation_sharding
+    from jaxtrain.parallel.activations import activation_sharding
+    from jaxtrain.parallel.rules import Rules
 
     n, t = args.ring_devices, args.ring_seq
     b, h, kvh, d = 1, 8, 8, 128

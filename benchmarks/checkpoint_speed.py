@@ -6,7 +6,7 @@
    save every 10 steps and prints the median step time next to the median time
    the loop was blocked by each async save, and each save's total time.
 2. Saves and restores a synthetic sharded state of ``--mb`` MB of float32
-   through :class:`jaxtrain.checkpoint.Checkpointer`, to local disk and, unless
+   through :class:`jaxtrain.checkpoint.checkpointer.Checkpointer`, to local disk and, unless
    ``--no-s3``, to a local S3 server (``moto_server``, started here), and prints MB/s.
    moto keeps objects in Python memory, so its figures show our overhead, not S3's.
 """
@@ -30,9 +30,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from jaxtrain import checkpoint as ckptlib  # noqa: E402
 from jaxtrain import config as cfglib  # noqa: E402
-from jaxtrain import train as trainlib  # noqa: E402
+from jaxtrain.checkpoint import checkpointer as ckptlib  # noqa: E402
+from jaxtrain.train import fit  # noqa: E402
 
 
 def blocking_vs_step(data: str, steps: int, workdir: Path) -> None:
@@ -40,7 +40,7 @@ def blocking_vs_step(data: str, steps: int, workdir: Path) -> None:
         f"data.path={data}", f"train.steps={steps}", "train.log_every=1", "train.eval_every=100000",
         "train.eval_batches=2", "train.sample_tokens=4", "checkpoint.every=10", "checkpoint.keep=2",
         "mesh.data=1", f"run.dir={workdir / 'shakespeare'}", "run.progress=false"])
-    result = trainlib.run(cfg, devices=jax.devices()[:1], quiet=True)
+    result = fit(cfg, devices=jax.devices()[:1], quiet=True)
     saves = [r for r in result.rows if "checkpoint_saved" in r]
     times = [r["step_time_s"] for r in result.rows if "step_time_s" in r and r["step"] > 2]
     block = [r["save_blocking_s"] for r in saves[1:]]  # the first save includes one-off set-up
@@ -88,7 +88,8 @@ def moto(workdir: Path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    exe = shutil.which("moto_server") or str(Path(sys.executable).parent / "moto_server")
+    own = Path(sys.executable).parent / "moto_server"  # this environment's, not another one on PATH
+    exe = str(own) if own.exists() else shutil.which("moto_server")
     proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     for _ in range(150):

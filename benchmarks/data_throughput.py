@@ -26,10 +26,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain import config as cfglib
 from jaxtrain import data as datalib
-from jaxtrain import step as steplib
 from jaxtrain.data import prepare
-from jaxtrain.mesh import build_mesh
-from jaxtrain.partitioning import Rules
+from jaxtrain.parallel.mesh import build_mesh
+from jaxtrain.train import setup
 
 SHARED = Path(os.environ.get("JAXTRAIN_SHARED", Path(__file__).resolve().parents[2] / "shared"))
 
@@ -47,7 +46,7 @@ def loader_rate(it, n: int, tokens_per_batch: int) -> float:
 
 
 def trainer_rate(cfg, vocab: int, steps: int) -> float:
-    trainer = steplib.build(cfg, build_mesh(cfg.mesh, jax.devices()[:1]), Rules.load(cfg.sharding.rules), vocab)
+    trainer = setup(cfg, jax.devices()[:1], vocab=vocab).fns
     state = trainer.init()
     it = datalib.load(cfg).iterator(trainer.batch_sharding)
     batches = [next(it) for _ in range(steps + 2)]

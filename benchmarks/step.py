@@ -25,11 +25,11 @@ import time
 from _bench import HERE_RESULTS, commit, fmt, hardware, peak_host_rss_bytes, print_table, serve, stats, with_corpus, write_json
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 
-from jaxtrain import config as cfglib, data as datalib, flops, step as steplib  # noqa: E402
-from jaxtrain.mesh import build_mesh  # noqa: E402
-from jaxtrain.partitioning import Rules  # noqa: E402
+from jaxtrain import config as cfglib  # noqa: E402
+from jaxtrain.metrics import flops  # noqa: E402
+from jaxtrain.train import setup  # noqa: E402
+from jaxtrain.train.step import count_params  # noqa: E402
 
 
 def matmul_peak(dtype: str) -> float:
@@ -56,20 +56,16 @@ class JaxBench:
 
     def __init__(self, config: str | None, overrides: list[str], n_batches: int = 8):
         self.cfg = cfg = cfglib.load(config, with_corpus(overrides))
-        devices = jax.devices()
-        data = datalib.load(cfg)
-        self.vocab = cfg.model.vocab_size or data.tokenizer.vocab_size
-        mesh = build_mesh(cfg.mesh, devices)
-        self.trainer = steplib.build(cfg, mesh, Rules.load(cfg.sharding.rules, cfg.sharding.allow_fallback), self.vocab)
-        it = data.iterator(self.trainer.batch_sharding)  # the trainer's own pipeline: batch dicts on the mesh
+        s = setup(cfg, jax.devices(), load_data=True)  # the trainer's own setup, checks and data pipeline
+        it = s.data.iterator(s.fns.batch_sharding)  # batch dicts on the mesh
         self.batches = [next(it) for _ in range(n_batches)]
-        self.state = self.trainer.init()
+        self.state = s.fns.init()
         t0 = time.perf_counter()
-        self.compiled = self.trainer.train_step.lower(self.state, self.batches[0]).compile()
+        self.compiled = s.fns.train_step.lower(self.state, self.batches[0]).compile()
         self.compile_s = time.perf_counter() - t0
-        self.fpt = flops.flops_per_token(cfg, self.vocab)
-        self.tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
-        self.n_params = sum(x.size for x in jax.tree_util.tree_leaves(self.state["params"]))
+        self.fpt = s.spec.flops_per_unit
+        self.tokens_per_step = cfg.train.global_batch * s.spec.units_per_example
+        self.n_params = count_params(self.state["params"])
         self.i = 0
         self.last_loss = None
 
@@ -98,17 +94,12 @@ class JaxBench:
 def abstract_compile(config: str | None, overrides: list[str]) -> dict:
     """Validates ``config`` and compiles its train step from ShapeDtypeStructs (nothing allocated)."""
     cfg = cfglib.load(config, with_corpus(overrides))
-    vocab = cfg.model.vocab_size or datalib.load(cfg).tokenizer.vocab_size
-    trainer = steplib.build(cfg, build_mesh(cfg.mesh, jax.devices()),
-                            Rules.load(cfg.sharding.rules, cfg.sharding.allow_fallback), vocab)
-    batch = jax.ShapeDtypeStruct((cfg.train.grad_accum, cfg.micro_batch, cfg.data.seq_len + 1), np.int32,
-                                 sharding=trainer.batch_sharding)
-    state = jax.eval_shape(trainer.init)
+    s = setup(cfg, jax.devices())
     t0 = time.perf_counter()
-    compiled = trainer.train_step.lower(state, batch).compile()
+    compiled, state = s.compile_abstract()
     mem = compiled.memory_analysis()
-    return {"config": config, "n_params": int(sum(x.size for x in jax.tree_util.tree_leaves(state["params"]))),
-            "flops_per_token": flops.flops_per_token(cfg, vocab), "compile_s": time.perf_counter() - t0,
+    return {"config": config, "n_params": count_params(state["params"]),
+            "flops_per_token": s.spec.flops_per_unit, "compile_s": time.perf_counter() - t0,
             "compiled_temp_bytes": getattr(mem, "temp_size_in_bytes", None)}
 
 

@@ -26,7 +26,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from jaxtrain import config as cfglib, flops  # noqa: E402
+from jaxtrain import config as cfglib  # noqa: E402
 
 
 class RMSNorm(nn.Module):
@@ -150,7 +150,7 @@ class TorchBench:
         t0 = time.perf_counter()
         self.run(1)  # torch.compile compiles on the first call
         self.compile_s = time.perf_counter() - t0
-        self.fpt = flops.flops_per_token(cfg, self.vocab)
+        self.n_jax, self.fpt = jax_reference(cfg, self.vocab)
         self.tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
 
     def train_step(self, batch):
@@ -189,14 +189,15 @@ def matmul_peak(n: int = 2048, repeats: int = 5) -> float:
     return 2.0 * n ** 3 / best
 
 
-def jax_param_count(cfg, vocab: int) -> int:
-    """jaxtrain's parameter count from its abstract model (no compile)."""
+def jax_reference(cfg, vocab: int) -> tuple[int, float]:
+    """jaxtrain's parameter count and FLOPs per token, from its run setup on one device (no compile)."""
     import jax
-    from flax import nnx
-    from jaxtrain.models import Llama as JaxLlama, count_params
-    from jaxtrain.step import llama_config
-    abstract = nnx.eval_shape(lambda: JaxLlama(llama_config(cfg, vocab), nnx.Rngs(0)))
-    return count_params(jax.tree_util.tree_map(lambda x: x, nnx.state(abstract, nnx.Param)))
+    from jaxtrain.train import setup
+    from jaxtrain.train.step import count_params
+    one = cfg.model_copy(update={"mesh": cfg.mesh.model_copy(update={"data": 1, "fsdp": 1, "tensor": 1,
+                                                                     "sequence": 1, "expert": 1})})
+    s = setup(one, jax.devices("cpu")[:1], vocab=vocab)
+    return count_params(s.abstract_state()["params"]), s.spec.flops_per_unit
 
 
 def main(argv=None) -> int:
@@ -211,7 +212,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     b = TorchBench(args.config, args.overrides, args.mode)
-    n_jax = jax_param_count(b.cfg, b.vocab)
+    n_jax = b.n_jax
     if abs(b.n_params - n_jax) > 0.01 * n_jax:
         raise SystemExit(f"torch_reference: {b.n_params} parameters vs jaxtrain's {n_jax}: more than 1% apart")
     info = {"impl": f"torch-{args.mode}", "config": args.config, "overrides": args.overrides, "device": "cpu",

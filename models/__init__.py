@@ -1,4 +1,2 @@
-"""Flax NNX model code (installed as ``jaxtrain.models``). No mesh code here."""
-from jaxtrain.models.llama import Llama, LlamaConfig, count_params
-
-__all__ = ["Llama", "LlamaConfig", "count_params"]
+"""Flax NNX model families (installed as ``jaxtrain.models``): one folder per family, named in
+``registry.py``. Model code names its dimensions logically and never mentions a mesh."""

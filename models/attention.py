@@ -27,16 +27,24 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from jaxtrain.config.schema import ConfigError
 from jaxtrain.kernels import blockwise, flash_gpu, flash_tpu, reference, ring
-from jaxtrain.partitioning import devices_along
+from jaxtrain.parallel.activations import devices_along
 
 IMPLEMENTATIONS = ("auto", "xla", "blockwise", "cudnn", "pallas", "ring")
 log = logging.getLogger("jaxtrain.attention")
 _logged: set = set()
 
 
-class AttentionBackendError(ValueError):
+class AttentionBackendError(ConfigError):
     """An explicit ``model.attention`` choice cannot run on the current backend."""
+
+
+def backend_problem(implementation: str, backend: str) -> Optional[str]:
+    """Why ``implementation`` cannot run on ``backend`` ('cpu', 'gpu', 'tpu'), or None if it can."""
+    if implementation == "cudnn" and backend != "gpu":
+        return f"cudnn needs a GPU; the backend is '{backend}' (use auto, blockwise, xla or pallas)"
+    return None
 
 
 def xla_attention(q, k, v, segment_ids=None, causal=True, window=None):
@@ -105,9 +113,9 @@ def choose(implementation: str, q, k, segment_ids=None, window=None, backend: Op
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"model.attention: unknown implementation '{implementation}' "
                          f"(known: {', '.join(IMPLEMENTATIONS)})")
-    if implementation == "cudnn" and backend != "gpu":
-        raise AttentionBackendError(f"model.attention=cudnn needs a GPU; the backend is '{backend}' "
-                                    "(use auto, blockwise, xla or pallas)")
+    problem = backend_problem(implementation, backend)
+    if problem:
+        raise AttentionBackendError(f"model.attention: {problem}")
     # Blocks cut from a length the rules split over devices would move between devices.
     length_split = devices_along(q.shape, ("batch", "length", "heads", "kv"), 1) > 1
     if implementation == "blockwise" and length_split:

@@ -41,3 +41,10 @@ def small_cfg(tmp_path, corpus_path):
     def make(*overrides: str, run_dir: str = "run"):
         return cfglib.load(None, [*SMALL, f"data.path={corpus_path}", f"run.dir={tmp_path / run_dir}", *overrides])
     return make
+
+
+def put_windows(windows, sharding):
+    """[accum, micro, T + 1] token windows -> the batch dict of a windows-mode run, on ``sharding``."""
+    from jaxtrain.data import packing
+    import numpy as np
+    return jax.device_put(packing.from_windows(np.asarray(windows)), sharding)

@@ -15,7 +15,7 @@ if __name__ == "__main__":
 
     from jaxtrain import config as cfglib
     from jaxtrain import data as datalib
-    from jaxtrain.mesh import build_mesh
+    from jaxtrain.parallel.mesh import build_mesh
 
     cfg = cfglib.load(None, json.loads(overrides))
     mesh = build_mesh(cfg.mesh)  # over the devices of every process

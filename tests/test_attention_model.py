@@ -7,11 +7,10 @@ import numpy as np
 import pytest
 
 from attention_helpers import corpus_windows
-from jaxtrain import step as steplib
+from conftest import put_windows
 from jaxtrain.config import ConfigError, check_against_mesh
-from jaxtrain.mesh import build_mesh
-from jaxtrain.partitioning import Rules
 from jaxtrain.models import attention as attn
+from jaxtrain.train import setup
 
 
 def test_auto_picks_per_backend_and_logs(caplog):
@@ -29,15 +28,20 @@ def test_auto_picks_per_backend_and_logs(caplog):
     assert "model.attention=auto -> pallas (not cuDNN: segment_ids" in caplog.text
 
 
+CUDNN_ON_CPU = "model.attention: cudnn needs a GPU; the backend is 'cpu' (use auto, blockwise, xla or pallas)"
+
+
 def test_explicit_choice_that_cannot_run_is_a_named_error(small_cfg):
     q = jnp.zeros((1, 8, 2, 64), jnp.bfloat16)
-    with pytest.raises(attn.AttentionBackendError, match="model.attention=cudnn needs a GPU; the backend is 'cpu'"):
+    with pytest.raises(attn.AttentionBackendError) as e:
         attn.attention(q, q, q, implementation="cudnn")
+    assert str(e.value) == CUDNN_ON_CPU
     with pytest.raises(ValueError, match="unknown implementation 'flash'"):
         attn.attention(q, q, q, implementation="flash")
-    with pytest.raises(ConfigError, match="model.attention: cudnn needs a GPU, the devices are 'cpu'"):
+    with pytest.raises(ConfigError) as e:  # the same check and message, before anything is built
         check_against_mesh(small_cfg("model.attention=cudnn"), {a: 1 for a in
                            ("data", "fsdp", "tensor", "sequence", "expert")}, "cpu")
+    assert str(e.value) == CUDNN_ON_CPU
     with pytest.raises(ConfigError, match="data.seq_len: 36 is not divisible by 2 \\* mesh.sequence = 8"):
         check_against_mesh(small_cfg("model.attention=ring", "data.seq_len=36"),
                            {"data": 2, "fsdp": 1, "tensor": 1, "sequence": 4, "expert": 1})
@@ -61,10 +65,10 @@ def test_training_with_pallas_matches_xla(small_cfg, corpus_path):
     losses = {}
     for impl in ("xla", "pallas"):
         cfg = small_cfg("mesh.data=1", "model.n_layers=1", f"model.attention={impl}")
-        trainer = steplib.build(cfg, build_mesh(cfg.mesh, jax.devices()[:1]), Rules.load("fsdp_tp"), 256)
-        state, losses[impl] = trainer.init(), []
+        fns = setup(cfg, jax.devices()[:1], vocab=256).fns
+        state, losses[impl] = fns.init(), []
         for batch in windows:
-            state, metrics = trainer.train_step(state, jax.device_put(batch, trainer.batch_sharding))
+            state, metrics = fns.train_step(state, put_windows(batch, fns.batch_sharding))
             losses[impl].append(float(metrics["loss"]))
     assert losses["xla"][4] < losses["xla"][0]  # it trains
     np.testing.assert_allclose(losses["pallas"], losses["xla"], rtol=0, atol=1e-4)

@@ -9,9 +9,10 @@ import pytest
 from attention_helpers import assert_matches_reference, inputs
 from jaxtrain.kernels.blockwise import blockwise_attention, default_block
 from jaxtrain.config import MeshConfig
-from jaxtrain.mesh import build_mesh
+from jaxtrain.parallel.mesh import build_mesh
 from jaxtrain.models import attention as attn
-from jaxtrain.partitioning import Rules, activation_sharding
+from jaxtrain.parallel.activations import activation_sharding
+from jaxtrain.parallel.rules import Rules
 
 
 def blockwise(block):

@@ -8,19 +8,17 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain import checkpoint as ckptlib
-from jaxtrain import step as steplib
-from jaxtrain import train as trainlib
-from jaxtrain.mesh import build_mesh
-from jaxtrain.partitioning import Rules
+from jaxtrain.checkpoint import checkpointer as ckptlib
+from jaxtrain.cli import train as train_cli
+from jaxtrain.train import fit, setup
 
 
 def trainer_on(cfg, devices):
-    return steplib.build(cfg, build_mesh(cfg.mesh, devices), Rules.load(cfg.sharding.rules), 256)
+    return setup(cfg, devices, vocab=256)
 
 
-def abstract_of(trainer):
-    return ckptlib.abstract_like(jax.eval_shape(trainer.init), trainer.state_shardings)
+def abstract_of(s):
+    return s.abstract_state()
 
 
 def assert_trees_identical(a, b):
@@ -40,7 +38,7 @@ def fsdp8_run(tmp_path_factory, corpus_path):
     def cfg(*extra, run_dir="a"):
         return cfglib.load(None, [*SMALL, f"data.path={corpus_path}", f"run.dir={root / run_dir}", "train.steps=6",
                                   "checkpoint.every=4", "mesh.data=1", "mesh.fsdp=8", *extra])
-    result = trainlib.run(cfg(), quiet=True)
+    result = fit(cfg(), quiet=True)
     return cfg, result
 
 
@@ -62,7 +60,7 @@ def test_resharding_restore_is_bit_identical_and_training_continues(fsdp8_run):
     resumed_dir = full.run_dir.parent / "b"
     shutil.copytree(full.run_dir, resumed_dir)
     (resumed_dir / "checkpoints" / "6" / ckptlib.MARKER).unlink()  # uncommitted now: cleaned up, never restored
-    second = trainlib.run(cfg("mesh.fsdp=2", "mesh.tensor=2", run_dir="b"), devices=jax.devices()[:4], quiet=True)
+    second = fit(cfg("mesh.fsdp=2", "mesh.tensor=2", run_dir="b"), devices=jax.devices()[:4], quiet=True)
     assert second.start_step == 4 and sorted(second.losses) == [5, 6]
     np.testing.assert_allclose([second.losses[s] for s in (5, 6)], [full.losses[s] for s in (5, 6)], rtol=1e-5)
 
@@ -70,7 +68,7 @@ def test_resharding_restore_is_bit_identical_and_training_continues(fsdp8_run):
 def test_shape_mismatch_lists_every_path(fsdp8_run, capsys):
     cfg, full = fsdp8_run
     with pytest.raises(ckptlib.CheckpointError) as err:
-        trainlib.run(cfg("model.d_ff=96"), quiet=True)
+        fit(cfg("model.d_ff=96"), quiet=True)
     msg = str(err.value)
     assert f"checkpoint step 6 in {full.run_dir / 'checkpoints'} does not match the current config" in msg
     lines, hint = msg.split("\nconfig keys changed since the checkpoint")
@@ -81,7 +79,7 @@ def test_shape_mismatch_lists_every_path(fsdp8_run, capsys):
     assert "  params.layers.0.mlp.w_gate: saved shape (64, 128) float32, expected (64, 96) float32" in lines
     assert "  params.layers.1.mlp.w_down: saved shape (128, 64) float32, expected (96, 64) float32" in lines
     assert "  opt_state.1.0.mu.layers.1.mlp.w_up: saved shape (64, 128) float32, expected (64, 96) float32" in lines
-    assert trainlib.main(["--config", str(full.run_dir / "config.yaml"), "model.d_ff=96"]) == 2
+    assert train_cli.main(["--config", str(full.run_dir / "config.yaml"), "model.d_ff=96"]) == 2
     assert "params.layers.0.mlp.w_gate: saved shape (64, 128)" in capsys.readouterr().err
     assert list(ckptlib.Checkpointer(cfg(), full.run_dir).committed()) == [4, 6]  # nothing damaged
 
@@ -89,7 +87,7 @@ def test_shape_mismatch_lists_every_path(fsdp8_run, capsys):
 def test_dtypes_and_structure_survive(small_cfg):
     cfg = small_cfg("model.param_dtype=bfloat16", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2")
     trainer = trainer_on(cfg, jax.devices()[:4])
-    state = trainer.init()
+    state = trainer.fns.init()
     state["step"] = jax.device_put(jnp.int32(16777217), state["step"].sharding)  # not representable in f32
     ckpt = ckptlib.Checkpointer(cfg, cfg.run.dir)
     ckpt.save(7, state, {"next_index": 3})
@@ -126,7 +124,7 @@ def test_failed_async_save_is_reported_not_recorded(small_cfg, monkeypatch):
     from orbax.checkpoint._src.path import atomicity
     cfg = small_cfg("mesh.data=1")
     trainer = trainer_on(cfg, jax.devices()[:1])
-    state = trainer.init()
+    state = trainer.fns.init()
     rows = []
     ckpt = ckptlib.Checkpointer(cfg, cfg.run.dir, report=rows.append)
     ckpt.save(1, state, {})
@@ -159,7 +157,7 @@ def test_retention_policy(small_cfg):
 def test_policy_in_a_run_keeps_last_and_best(small_cfg):
     cfg = small_cfg("train.steps=8", "checkpoint.every=2", "checkpoint.keep=1", "checkpoint.keep_best=1",
                     "checkpoint.keep_period=4", "mesh.data=1", "train.eval_batches=1")
-    result = trainlib.run(cfg, devices=jax.devices()[:1], quiet=True)
+    result = fit(cfg, devices=jax.devices()[:1], quiet=True)
     committed = ckptlib.Checkpointer(cfg, result.run_dir).committed()
     evals = {r["step"]: r["val_loss"] for r in result.rows if "val_loss" in r}
     assert sorted(evals) == [2, 4, 6, 8]  # keep_best evaluates at every save
@@ -172,7 +170,7 @@ def test_policy_in_a_run_keeps_last_and_best(small_cfg):
 
 
 def test_save_due_by_steps_seconds_and_final(small_cfg, monkeypatch):
-    from jaxtrain import checkpoint as mod
+    from jaxtrain.checkpoint import checkpointer as mod
     clock = [1000.0]
     monkeypatch.setattr(mod.time, "monotonic", lambda: clock[0])
     ckpt = ckptlib.Checkpointer.__new__(ckptlib.Checkpointer)

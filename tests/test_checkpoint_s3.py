@@ -11,11 +11,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtrain import checkpoint as ckptlib
-from jaxtrain import step as steplib
-from jaxtrain import train as trainlib
-from jaxtrain.mesh import build_mesh
-from jaxtrain.partitioning import Rules
+from jaxtrain.checkpoint import checkpointer as ckptlib
+from jaxtrain.train import fit, setup
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +21,8 @@ def s3_server(tmp_path_factory):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    exe = shutil.which("moto_server") or str(Path(sys.executable).parent / "moto_server")
+    own = Path(sys.executable).parent / "moto_server"  # this environment's, not another one on PATH
+    exe = str(own) if own.exists() else shutil.which("moto_server")
     log = open(tmp_path_factory.mktemp("moto") / "moto.log", "w")
     proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT)
     endpoint = f"http://127.0.0.1:{port}"
@@ -59,7 +57,7 @@ def test_save_list_gc_restore_through_s3(s3_server, small_cfg, tmp_path, monkeyp
     s3 = (f"checkpoint.dir={url}", f"checkpoint.s3_endpoint={s3_server}", "checkpoint.every=2",
           "checkpoint.keep=2", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2")
     devices = jax.devices()[:4]
-    first = trainlib.run(small_cfg("train.steps=6", "optimizer.decay_steps=8", *s3), devices=devices, quiet=True)
+    first = fit(small_cfg("train.steps=6", "optimizer.decay_steps=8", *s3), devices=devices, quiet=True)
     assert not (tmp_path / "s3:").exists()
     assert [r["checkpoint_saved"] for r in first.rows if "checkpoint_saved" in r] == [2, 4, 6]
     assert [r["checkpoints_removed"] for r in first.rows if "checkpoint_saved" in r] == [[], [], [2]]
@@ -75,14 +73,12 @@ def test_save_list_gc_restore_through_s3(s3_server, small_cfg, tmp_path, monkeyp
     cfg = small_cfg("train.steps=8", *s3)
     ckpt = ckptlib.Checkpointer(cfg, first.run_dir)
     assert ckpt.removed == ["8"] and not fs.exists("ckpts/runs/a/8")
-    trainer = steplib.build(cfg, build_mesh(cfg.mesh, devices),
-                            Rules.load("fsdp_tp"), 256)
-    state, _ = ckpt.restore(6, ckptlib.abstract_like(jax.eval_shape(trainer.init), trainer.state_shardings))
+    state, _ = ckpt.restore(6, setup(cfg, devices, vocab=256).abstract_state())
     for a, b in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(first.state)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     ckpt.close()
 
-    second = trainlib.run(cfg, devices=devices, quiet=True)  # resumes from S3
+    second = fit(cfg, devices=devices, quiet=True)  # resumes from S3
     assert second.start_step == 6 and sorted(second.losses) == [7, 8]
     assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls("ckpts/runs/a")) == ["6", "8"]
 

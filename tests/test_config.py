@@ -2,9 +2,10 @@
 import pytest
 
 from jaxtrain import config as cfglib
-from jaxtrain import train as trainlib
+from jaxtrain.cli import train as train_cli
 from jaxtrain.config import ConfigError
-from jaxtrain.tokenizer import DataError
+from jaxtrain.data import DataError
+from jaxtrain.train import fit, step
 
 
 @pytest.fixture
@@ -12,7 +13,7 @@ def no_compile(monkeypatch):
     """Any attempt to build/compile the step fails the test: errors must come first."""
     def boom(*a, **k):
         raise AssertionError("reached step.build: the error was not raised before compiling")
-    monkeypatch.setattr(trainlib.steplib, "build", boom)
+    monkeypatch.setattr(step, "build", boom)
 
 
 def test_defaults_are_the_default_job():
@@ -73,7 +74,7 @@ def test_inconsistent_heads():
 def test_batch_not_divisible_by_data_fsdp(small_cfg, no_compile):
     cfg = small_cfg("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.global_batch=6")
     with pytest.raises(ConfigError) as e:
-        trainlib.run(cfg, quiet=True)
+        fit(cfg, quiet=True)
     assert str(e.value) == ("train.global_batch: micro-batch 6 (global_batch 6 / grad_accum 1) is not divisible "
                             "by data*fsdp*expert = 2*2*1 = 4")
 
@@ -81,19 +82,19 @@ def test_batch_not_divisible_by_data_fsdp(small_cfg, no_compile):
 def test_heads_not_divisible_by_tensor(small_cfg, no_compile):
     cfg = small_cfg("mesh.data=1", "mesh.tensor=8", "model.n_heads=4", "model.n_kv_heads=4")
     with pytest.raises(ConfigError, match=r"^model.n_heads: 4 is not divisible by mesh.tensor=8$"):
-        trainlib.run(cfg, quiet=True)
+        fit(cfg, quiet=True)
 
 
 def test_mesh_product_must_match_devices(small_cfg, no_compile):
     cfg = small_cfg("mesh.data=3")
     with pytest.raises(ConfigError, match=r"^mesh: the axis sizes multiply to 3 but there are 8 devices"):
-        trainlib.run(cfg, quiet=True)
+        fit(cfg, quiet=True)
 
 
 def test_missing_data_path(small_cfg, tmp_path, no_compile):
     cfg = small_cfg(f"data.path={tmp_path}/nothing*.txt")
     with pytest.raises(DataError) as e:
-        trainlib.run(cfg, quiet=True)
+        fit(cfg, quiet=True)
     assert str(e.value) == f"data.path: no file matches '{tmp_path}/nothing*.txt'"
     assert not (tmp_path / "run").exists()  # nothing written for a run that cannot start
 
@@ -102,19 +103,24 @@ def test_corpus_shorter_than_one_window(small_cfg, tmp_path, no_compile):
     short = tmp_path / "short.txt"
     short.write_text("x" * 100)  # 90 train tokens, 10 validation tokens; window is 33
     with pytest.raises(DataError) as e:
-        trainlib.run(small_cfg(f"data.path={short}"), quiet=True)
+        fit(small_cfg(f"data.path={short}"), quiet=True)
     assert str(e.value) == (f"data.path: the validation split of '{short}' has 10 tokens, fewer than one window "
                             f"of data.seq_len+1 = 33 tokens")
 
 
 def test_cli_prints_error_and_exits_2(capsys):
-    assert trainlib.main(["train.stpes=1"]) == 2
+    assert train_cli.main(["train.stpes=1"]) == 2
     assert capsys.readouterr().err == "error: unknown config key 'train.stpes'; did you mean 'train.steps'?\n"
 
 
+def parsed(argv):
+    args = train_cli.parse_args(argv)
+    return args.config, args.overrides
+
+
 def test_cli_positional_config_file():
-    assert trainlib.parse_args(["configs/x.yaml", "a.b=1"]) == ("configs/x.yaml", ["a.b=1"])
-    assert trainlib.parse_args(["--config", "c.yaml"]) == ("c.yaml", [])
+    assert parsed(["configs/x.yaml", "a.b=1"]) == ("configs/x.yaml", ["a.b=1"])
+    assert parsed(["--config", "c.yaml"]) == ("c.yaml", [])
 
 
 @pytest.mark.parametrize("override,message", [
@@ -151,5 +157,17 @@ def test_duplicate_yaml_key_is_an_error(tmp_path):
 
 
 def test_overrides_may_precede_config():
-    assert trainlib.parse_args(["train.steps=3", "--config", "c.yaml", "run.dir=x"]) == \
-        ("c.yaml", ["train.steps=3", "run.dir=x"])
+    assert parsed(["train.steps=3", "--config", "c.yaml", "run.dir=x"]) == ("c.yaml", ["train.steps=3", "run.dir=x"])
+
+
+def test_shipped_configs_validate_and_their_data_exists():
+    """Every file in configs/ loads, and a data.path it names exists (relative to the checkout, as the
+    README runs them)."""
+    from pathlib import Path
+    repo = Path(__file__).resolve().parent.parent
+    names = sorted(p.stem for p in (repo / "configs").glob("*.yaml"))
+    assert names == ["digits_mlp", "llama_1b_h200", "llama_25m", "shakespeare_char"]
+    for name in names:
+        cfg = cfglib.load(name)
+        if cfg.data.path != "stdlib":
+            assert (repo / cfg.data.path).is_file(), (name, cfg.data.path)

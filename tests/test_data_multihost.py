@@ -13,8 +13,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain import config as cfglib
 from jaxtrain import data as datalib
-from jaxtrain.data import prepare
-from jaxtrain.mesh import build_mesh
+from jaxtrain.cli import prepare
+from jaxtrain.parallel.mesh import build_mesh
 
 WORKER = Path(__file__).with_name("data_multihost_worker.py")
 

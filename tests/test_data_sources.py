@@ -180,7 +180,7 @@ def test_weighted_mixture_takes_documents_in_proportion(tmp_path):
 
 
 def test_cache_equals_source_and_refuses_another_tokenizer(tmp_path, bpe_path):
-    from jaxtrain.data import prepare
+    from jaxtrain.cli import prepare
     docs = [{"text": f"line {i}: " + "to be or not to be " * (i % 5 + 1)} for i in range(40)]
     path = write_jsonl(tmp_path / "d.jsonl", docs)
     hf = ["data.tokenizer=hf", f"data.tokenizer_path={bpe_path}", "data.add_eos=true"]
@@ -206,7 +206,7 @@ def test_byte_tokenizer_keeps_specials_out_of_bytes():
 
 def test_object_store_paths_through_epath(tmp_path, monkeypatch):
     """gs:// globs, reads, cache writes and cache reads, with epath pointed at a local 'bucket' folder."""
-    from jaxtrain.data import prepare
+    from jaxtrain.cli import prepare
     bucket = tmp_path / "bucket"
     (bucket / "corpus").mkdir(parents=True)
 

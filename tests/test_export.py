@@ -6,18 +6,17 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from jaxtrain import checkpoint as ckptlib
-from jaxtrain import export as exportlib
-from jaxtrain import rundir, step as steplib
+from jaxtrain.checkpoint import checkpointer as ckptlib
+from jaxtrain.checkpoint import hf as exportlib
+from jaxtrain.cli import export as export_cli
 from jaxtrain.config import ConfigError
-from jaxtrain.mesh import build_mesh
-from jaxtrain.partitioning import Rules
+from jaxtrain.models import registry
+from jaxtrain.train import rundir, setup
 
 
 def saved_run(cfg, devices, step=3):
     """A run dir whose committed checkpoint ``step`` holds freshly initialised (random) params."""
-    trainer = steplib.build(cfg, build_mesh(cfg.mesh, devices), Rules.load("fsdp_tp"), 256)
-    state = trainer.init()
+    state = setup(cfg, devices, vocab=256).fns.init()
     run_dir = rundir.prepare(cfg)
     ckpt = ckptlib.Checkpointer(cfg, run_dir)
     ckpt.save(step, state, {})
@@ -31,7 +30,7 @@ def test_export_names_layouts_and_exact_round_trip(small_cfg, tmp_path, tied):
     cfg = small_cfg(*extra, "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2", "model.param_dtype=bfloat16")
     run_dir, params = saved_run(cfg, jax.devices()[:4])
     out = tmp_path / "hf"
-    assert exportlib.main([str(run_dir), "--step", "3", "--format", "safetensors", str(out)]) == 0
+    assert export_cli.main([str(run_dir), "--step", "3", "--format", "safetensors", str(out)]) == 0
 
     hf = json.loads((out / "config.json").read_text())
     assert hf == {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256,
@@ -43,7 +42,8 @@ def test_export_names_layouts_and_exact_round_trip(small_cfg, tmp_path, tied):
         names = set(f.keys())
         t = {n: np.asarray(f.get_tensor(n).astype("float32")) for n in names}
         assert f.get_tensor("model.layers.0.self_attn.q_proj.weight").dtype == "bfloat16"
-    assert names == set(exportlib.hf_shapes(cfg, 256)) and ("lm_head.weight" in names) == (not tied)
+    hf_shapes = registry.get("llama").hf.shapes(cfg.model)
+    assert names == set(hf_shapes) and ("lm_head.weight" in names) == (not tied)
     assert len(names) == 2 + 9 * 2 + (not tied)
     f32 = lambda x: np.asarray(x).astype(np.float32)  # noqa: E731
     wq, wk, wo = (f32(params["layers"][1]["attn"][k]) for k in ("wq", "wk", "wo"))
@@ -65,8 +65,7 @@ def test_export_names_layouts_and_exact_round_trip(small_cfg, tmp_path, tied):
     exportlib.import_hf(out, cfg2)
     ckpt = ckptlib.Checkpointer(cfg2, cfg2.run.dir)
     assert list(ckpt.committed()) == [0]
-    trainer = steplib.build(cfg2, build_mesh(cfg2.mesh), Rules.load("fsdp_tp"), 256)
-    state, _ = ckpt.restore(0, ckptlib.abstract_like(jax.eval_shape(trainer.init), trainer.state_shardings))
+    state, _ = ckpt.restore(0, setup(cfg2, vocab=256).abstract_state())
     ckpt.close()
     got = jax.device_get(state["params"])
     assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(params)
@@ -98,7 +97,7 @@ def test_scanned_layers_export_and_import_like_the_unscanned_layout(small_cfg, t
         cfg = small_cfg("model.vocab_size=256", "mesh.data=1", f"model.scan_layers={scan}", run_dir=f"run_{scan}")
         run_dir, params = saved_run(cfg, jax.devices()[:1])
         outs[scan] = tmp_path / f"hf_{scan}"
-        assert exportlib.main([str(run_dir), str(outs[scan])]) == 0
+        assert export_cli.main([str(run_dir), str(outs[scan])]) == 0
     assert params["layers"]["attn"]["wq"].shape == (2, 64, 4, 16)  # the scanned run's: stacked
     with safe_open(str(outs["false"] / exportlib.WEIGHTS_FILE), "flax") as a, \
             safe_open(str(outs["true"] / exportlib.WEIGHTS_FILE), "flax") as b:
@@ -107,9 +106,8 @@ def test_scanned_layers_export_and_import_like_the_unscanned_layout(small_cfg, t
             np.testing.assert_array_equal(np.asarray(a.get_tensor(name)), np.asarray(b.get_tensor(name)), name)
     cfg = small_cfg("model.vocab_size=256", "mesh.data=1", "model.scan_layers=true", run_dir="imported")
     run_dir = exportlib.import_hf(outs["false"], cfg, jax.devices()[:1])
-    trainer = steplib.build(cfg, build_mesh(cfg.mesh, jax.devices()[:1]), Rules.load("fsdp_tp"), 256)
     ckpt = ckptlib.Checkpointer(cfg, run_dir)
-    state, _ = ckpt.restore(0, ckptlib.abstract_like(jax.eval_shape(trainer.init), trainer.state_shardings))
+    state, _ = ckpt.restore(0, setup(cfg, jax.devices()[:1], vocab=256).abstract_state())
     ckpt.close()
     for got, want in zip(jax.tree_util.tree_leaves(state["params"]), jax.tree_util.tree_leaves(params)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

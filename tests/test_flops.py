@@ -2,14 +2,13 @@
 from types import SimpleNamespace
 
 import jax
-import numpy as np
 import pytest
-from flax import nnx
 
-from jaxtrain import config as cfglib, flops, step as steplib
-from jaxtrain.mesh import build_mesh
-from jaxtrain.models import Llama, count_params
-from jaxtrain.partitioning import Rules
+from jaxtrain import config as cfglib
+from jaxtrain.metrics import flops
+from jaxtrain.models.llama import flops as llama_flops
+from jaxtrain.train import setup
+from jaxtrain.train.step import count_params
 
 SHAKESPEARE_VOCAB = 65  # distinct characters of tinyshakespeare's training split
 
@@ -17,21 +16,19 @@ SHAKESPEARE_VOCAB = 65  # distinct characters of tinyshakespeare's training spli
 def test_formula_matches_xla_cost_analysis(corpus_path):
     """6N + 12LHQT vs compiled.cost_analysis() of the shakespeare train step: within 10%."""
     cfg = cfglib.load("shakespeare_char", [f"data.path={corpus_path}", "mesh.data=1"])
-    trainer = steplib.build(cfg, build_mesh(cfg.mesh, jax.devices()[:1]), Rules.load("fsdp_tp"),
-                            SHAKESPEARE_VOCAB)
-    batch = jax.ShapeDtypeStruct((1, cfg.train.global_batch, cfg.data.seq_len + 1), np.int32,
-                                 sharding=trainer.batch_sharding)
-    compiled = trainer.train_step.lower(jax.eval_shape(trainer.init), batch).compile()
+    s = setup(cfg, jax.devices()[:1], vocab=SHAKESPEARE_VOCAB)
+    compiled, abstract = s.compile_abstract()
     xla = flops.xla_flops(compiled)
-    formula = flops.flops_per_token(cfg, SHAKESPEARE_VOCAB) * cfg.train.global_batch * cfg.data.seq_len
+    assert s.spec.flops_per_unit == llama_flops.flops_per_token(s.model_config, cfg.data.seq_len)
+    formula = s.spec.flops_per_unit * cfg.train.global_batch * cfg.data.seq_len
     assert xla is not None
     assert abs(xla / formula - 1) < 0.10, (xla, formula)
 
     # N of the 6N term is every parameter except the embedding table and the norm scales.
-    abstract = nnx.eval_shape(lambda: Llama(steplib.llama_config(cfg, SHAKESPEARE_VOCAB), nnx.Rngs(0)))
     m = cfg.model
     norms = (2 * m.n_layers + 1) * m.d_model
-    assert flops.matmul_params(cfg, SHAKESPEARE_VOCAB) == count_params(abstract) - SHAKESPEARE_VOCAB * m.d_model - norms
+    assert llama_flops.matmul_params(s.model_config) == \
+        count_params(abstract["params"]) - SHAKESPEARE_VOCAB * m.d_model - norms
 
 
 def fake(kind: str, platform: str = "gpu"):
@@ -65,23 +62,22 @@ def test_unknown_device_gives_na_unless_overridden():
     assert flops.total_peak_flops(cfg, [fake("TPU v5 lite")] * 4)[0] == 4 * 197e12
 
 
-def test_cpu_peak_is_measured_in_process():
+def test_cpu_peak_is_measured_in_process(monkeypatch):
+    assert 0 < flops.calibrate_cpu_flops(n=256, repeats=2) < float("inf")  # a real, finite measurement
+    # The host's rate, not multiplied by the 8 simulated devices (they share one thread pool).
+    monkeypatch.setattr(flops, "calibrate_cpu_flops", lambda dtype: {"float32": 123e9}[dtype])
     cfg = cfglib.load(None, [])
-    peak, why = flops.total_peak_flops(cfg, jax.devices()[:8])
-    assert why == "calibrated host float32 matmul"
-    assert 1e8 < peak < 1e14  # a real measurement of this host, not multiplied by the 8 simulated devices
-    assert flops.mfu(1000.0, 1e6, peak) == pytest.approx(1e9 / peak)
+    assert flops.total_peak_flops(cfg, jax.devices()[:8]) == (123e9, "calibrated host float32 matmul")
+    assert flops.mfu(1000.0, 1e6, 123e9) == pytest.approx(1e9 / 123e9)
+    assert flops.mfu(1000.0, None, 123e9) is None  # a model without a FLOPs formula: MFU n/a
 
 
 def test_gpu_benchmark_config_validates_and_lowers():
     """configs/llama_1b_h200.yaml (benchmarks/gpu_h200.sh): valid, ~1.1B, and its step traces on CPU."""
     cfg = cfglib.load("llama_1b_h200", ["mesh.data=1"])
     assert cfg.model.dtype == "bfloat16" and cfg.data.seq_len == 2048 and cfg.model.scan_layers
-    trainer = steplib.build(cfg, build_mesh(cfg.mesh, jax.devices()[:1]), Rules.load("fsdp_tp"), cfg.model.vocab_size)
-    state = jax.eval_shape(trainer.init)
-    n = sum(x.size for x in jax.tree_util.tree_leaves(state["params"]))
+    s = setup(cfg, jax.devices()[:1])
+    n = count_params(s.abstract_state()["params"])
     assert 1.0e9 < n < 1.2e9
-    assert flops.flops_per_token(cfg, cfg.model.vocab_size) == pytest.approx(7.04e9, rel=0.01)
-    batch = jax.ShapeDtypeStruct((1, cfg.micro_batch, cfg.data.seq_len + 1), np.int32,
-                                 sharding=trainer.batch_sharding)
-    assert "while" in trainer.train_step.lower(state, batch).as_text()  # the scan over layers
+    assert s.spec.flops_per_unit == pytest.approx(7.04e9, rel=0.01)
+    assert "while" in s.fns.train_step.lower(s.abstract_state(), s.abstract_batch()).as_text()  # the layer scan

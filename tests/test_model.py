@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtrain.models import Llama, LlamaConfig, count_params
+from jaxtrain.models.llama import Llama, LlamaConfig
+from jaxtrain.train.step import count_params
 
 
 def np_rmsnorm(x, w, eps):

@@ -1,8 +1,9 @@
 """The planner and explain: HLO collective counting, candidate enumeration, ranked table, CLI."""
 import pytest
 
-from jaxtrain import collectives, explain, plan
 from jaxtrain import config as cfglib
+from jaxtrain.analysis import collectives, explain, plan
+from jaxtrain.cli import plan as plan_cli
 from jaxtrain.config import ConfigError
 
 from conftest import SMALL
@@ -116,9 +117,9 @@ def test_plan_rejects_with_the_named_error_before_compiling():
 
 
 def test_plan_cli(capsys):
-    assert plan.main(["--rules", "dp"]) == 2
+    assert plan_cli.main(["--rules", "dp"]) == 2
     assert capsys.readouterr().err == "error: --devices: give the number of devices to plan for, e.g. --devices 8\n"
-    assert plan.main(["--devices", "2", "--rules", "dp", "model.vocab_size=256", *SMALL,
+    assert plan_cli.main(["--devices", "2", "--rules", "dp", "model.vocab_size=256", *SMALL,
                       "train.global_batch=3"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("plan: 2 devices, 1 candidates, 0 compiled in ")

@@ -64,7 +64,7 @@ def test_sigkill_trials_resume_from_latest_commit(tmp_path, corpus_path):
 
 def test_grace_period_expiry_exits_75():
     code = ("import os, signal, time\n"
-            "from jaxtrain.preempt import Preemption\n"
+            "from jaxtrain.train.preempt import Preemption\n"
             "with Preemption(grace_period_s=0.5):\n"
             "    os.kill(os.getpid(), signal.SIGTERM)\n"
             "    time.sleep(30)  # a save that never commits\n")

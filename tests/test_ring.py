@@ -6,11 +6,13 @@ import pytest
 from jax.sharding import AxisType, Mesh
 
 from attention_helpers import assert_matches_reference, corpus_windows, inputs
-from jaxtrain import collectives, step as steplib
-from jaxtrain.config import MESH_AXES, check_against_mesh
-from jaxtrain.mesh import build_mesh, resolve_sizes
+from conftest import put_windows
+from jaxtrain.analysis import collectives
+from jaxtrain.config import MESH_AXES
 from jaxtrain.kernels import ring
-from jaxtrain.partitioning import Rules, activation_sharding
+from jaxtrain.parallel.activations import activation_sharding
+from jaxtrain.parallel.rules import Rules
+from jaxtrain.train import setup
 
 RULES = Rules("test_sp", {"batch": [("data",)], "length": [("sequence",)], "heads": [None],
                           "kv_heads": [None], "kv": [None]})
@@ -51,14 +53,13 @@ def test_ring_training_matches_single_device(small_cfg, corpus_path):
     losses = {}
     for name, (overrides, rules, devices) in setups.items():
         cfg = small_cfg(*overrides, "model.n_layers=1", "sharding.rules=" + rules)
-        check_against_mesh(cfg, resolve_sizes(cfg.mesh, len(devices)), devices[0].platform)
-        trainer = steplib.build(cfg, build_mesh(cfg.mesh, devices), Rules.load(rules), 256)
-        state, losses[name] = trainer.init(), []
+        fns = setup(cfg, devices, vocab=256).fns
+        state, losses[name] = fns.init(), []
         for batch in windows:
-            state, metrics = trainer.train_step(state, jax.device_put(batch, trainer.batch_sharding))
+            state, metrics = fns.train_step(state, put_windows(batch, fns.batch_sharding))
             losses[name].append(float(metrics["loss"]))
         if name == "ring":  # K/V move by collective-permute only: nothing is all-gathered
-            hlo = trainer.train_step.lower(state, jax.device_put(windows[0], trainer.batch_sharding)).compile()
+            hlo = fns.train_step.lower(state, put_windows(windows[0], fns.batch_sharding)).compile()
             moved = collectives.totals(collectives.parse(hlo.as_text()))
             assert moved["all-gather"] == 0 and moved["collective-permute"] > 0, moved
     assert losses["one"][4] < losses["one"][0]

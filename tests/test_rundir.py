@@ -5,22 +5,23 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtrain import rundir
-from jaxtrain import train as trainlib
-from jaxtrain.checkpoint import CheckpointError
+from jaxtrain.metrics.sinks import read_metrics
+from jaxtrain.train import rundir
+from jaxtrain.train import fit
+from jaxtrain.checkpoint.checkpointer import CheckpointError
 from jaxtrain.config import ConfigError
-from jaxtrain.partitioning import Rules, ShardingError, check_mesh_used
-from jaxtrain.sample import generate
+from jaxtrain.parallel.rules import Rules, ShardingError, check_mesh_used
+from jaxtrain.train.sample import generate
 
 
 def test_resume_into_another_model_is_named_and_keeps_config(small_cfg):
     cfg = small_cfg("train.steps=2", "checkpoint.every=2", "mesh.data=1", run_dir="r")
-    trainlib.run(cfg, devices=jax.devices()[:1], quiet=True)
+    fit(cfg, devices=jax.devices()[:1], quiet=True)
     saved = open(f"{cfg.run.dir}/config.yaml").read()
     other = small_cfg("train.steps=4", "checkpoint.every=2", "mesh.data=1", "model.d_model=32",
                       "model.n_layers=3", run_dir="r")
     with pytest.raises(CheckpointError) as e:
-        trainlib.run(other, devices=jax.devices()[:1], quiet=True)
+        fit(other, devices=jax.devices()[:1], quiet=True)
     assert str(e.value).endswith(
         "\nconfig keys changed since the checkpoint (use a new run.dir or the saved values):\n"
         "  model.d_model: checkpoint has 64, config has 32\n"
@@ -31,13 +32,13 @@ def test_resume_into_another_model_is_named_and_keeps_config(small_cfg):
 
 def test_resume_drops_metric_rows_past_the_checkpoint(small_cfg):
     cfg = small_cfg("train.steps=4", "checkpoint.every=2", "mesh.data=1", run_dir="m")
-    trainlib.run(cfg, devices=jax.devices()[:1], quiet=True)
+    fit(cfg, devices=jax.devices()[:1], quiet=True)
     path = f"{cfg.run.dir}/metrics.jsonl"
     with open(path, "a") as f:  # rows of a run that died after step 4's checkpoint
         f.write(json.dumps({"step": 5, "loss": 1.0}) + "\n" + json.dumps({"step": 6, "loss": 1.0}) + "\n")
-    trainlib.run(small_cfg("train.steps=6", "checkpoint.every=2", "mesh.data=1", run_dir="m"),
+    fit(small_cfg("train.steps=6", "checkpoint.every=2", "mesh.data=1", run_dir="m"),
                  devices=jax.devices()[:1], quiet=True)
-    steps = [r["step"] for r in rundir.read_metrics(cfg.run.dir) if "loss" in r]
+    steps = [r["step"] for r in read_metrics(cfg.run.dir) if "loss" in r]
     assert steps == [1, 2, 3, 4, 5, 6]
 
 

@@ -4,8 +4,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain.config import ConfigError, MeshConfig
-from jaxtrain.mesh import build_mesh, resolve_sizes
-from jaxtrain.partitioning import Rules, ShardingError
+from jaxtrain.parallel.mesh import build_mesh, resolve_sizes
+from jaxtrain.parallel.rules import Rules, ShardingError
 
 
 @pytest.fixture(scope="module")

@@ -3,18 +3,19 @@ import jax
 import pytest
 
 from jaxtrain import config as cfglib
-from jaxtrain import step as steplib
 from jaxtrain.config import ConfigError
-from jaxtrain.mesh import build_mesh
-from jaxtrain.partitioning import Rules, ShardingError
-from jaxtrain.progress import Reporter
+from jaxtrain.metrics.console import Reporter
+from jaxtrain.models import registry
+from jaxtrain.parallel.rules import Rules, ShardingError, rule_sets
+from jaxtrain.train import setup
 
 from conftest import SMALL
 
 
 def build(rules: str, *overrides: str, vocab: int = 256, allow_fallback: bool = False):
-    cfg = cfglib.load(None, [*SMALL, *overrides, f"sharding.rules={rules}"])
-    return steplib.build(cfg, build_mesh(cfg.mesh), Rules.load(rules, allow_fallback), vocab)
+    cfg = cfglib.load(None, [*SMALL, *overrides, f"sharding.rules={rules}",
+                             f"sharding.allow_fallback={str(allow_fallback).lower()}"])
+    return setup(cfg, vocab=vocab)
 
 
 def test_vocab_17_over_tensor_8_is_named_not_replicated():
@@ -26,11 +27,9 @@ def test_vocab_17_over_tensor_8_is_named_not_replicated():
 
 
 def test_indivisible_activation_is_named_at_trace_time():
-    trainer = build("sp", "mesh.data=2", "mesh.sequence=4", "data.seq_len=30")
-    abstract = jax.eval_shape(trainer.init)
-    batch = jax.ShapeDtypeStruct((1, 8, 31), jax.numpy.int32, sharding=trainer.batch_sharding)
+    s = build("sp", "mesh.data=2", "mesh.sequence=4", "data.seq_len=30")
     with pytest.raises(ShardingError) as e:
-        trainer.train_step.lower(abstract, batch)  # tracing only: nothing is compiled
+        s.fns.train_step.lower(s.abstract_state(), s.abstract_batch())  # tracing only: nothing is compiled
     assert str(e.value) == ("activation('batch', 'residual_length', 'embed'): dimension 1 ('residual_length', "
                             "size 30) is not divisible by mesh axis sequence = 4 (set sharding.allow_fallback=true "
                             "to replicate it)")
@@ -38,10 +37,8 @@ def test_indivisible_activation_is_named_at_trace_time():
 
 def test_fallback_replicates_and_reports_every_dimension(capsys):
     trainer = build("fsdp_tp", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", vocab=65, allow_fallback=True)
-    assert trainer.state_shardings["params"]["embed"]["embedding"].spec == jax.sharding.PartitionSpec(None, "fsdp")
-    abstract = jax.eval_shape(trainer.init)
-    batch = jax.ShapeDtypeStruct((1, 8, 33), jax.numpy.int32, sharding=trainer.batch_sharding)
-    trainer.train_step.lower(abstract, batch)
+    assert trainer.fns.state_shardings["params"]["embed"]["embedding"].spec == jax.sharding.PartitionSpec(None, "fsdp")
+    trainer.fns.train_step.lower(trainer.abstract_state(), trainer.abstract_batch())
     why = "('vocab', size 65) is not divisible by mesh axis tensor = 2 -> replicated"
     assert trainer.rules.fallbacks == [
         f"embed.embedding: dimension 0 {why}",
@@ -80,16 +77,38 @@ def test_optimizer_rules_override_only_the_optimizer_state():
     assert Rules.load("dp").for_optimizer().name == "dp"
 
 
-@pytest.mark.parametrize("name", ["dp", "fsdp", "zero1", "tp", "fsdp_tp", "sp", "ep"])
+def test_rule_sets_are_discovered_from_the_folder():
+    assert rule_sets() == ["dp", "ep", "fsdp", "fsdp_tp", "sp", "tp", "zero1"]
+
+
+@pytest.mark.parametrize("name", rule_sets())
 def test_every_rule_set_names_every_logical_axis(name):
     names = {"batch", "length", "residual_length", "kv_length", "embed", "vocab", "heads", "kv_heads", "kv",
              "mlp", "exp", "layers"}
     assert set(Rules.load(name).table) == names
     assert Rules.load(name).table["layers"] == [None]
+    for family in registry.names():  # every registered family's names have a rule
+        Rules.load(name).check_names(registry.get(family).logical_axes, family)
+
+
+def test_a_name_without_rule_is_named_for_the_family_and_extra_rules_add_it(tmp_path):
+    f = tmp_path / "small.yaml"
+    f.write_text("rules:\n  batch: [[data, fsdp, expert]]\n  embed: [fsdp, null]\n")
+    with pytest.raises(ShardingError) as e:
+        build(str(f), "mesh.data=8")
+    assert str(e.value) == (
+        "rule set 'small' has no rule for logical name(s) length, residual_length, kv_length, vocab, heads, "
+        "kv_heads, kv, mlp, layers used by model family 'llama' (add them to the rules file or to "
+        "sharding.extra_rules)")
+    extra = "{length: [null], residual_length: [null], kv_length: [null], vocab: [null], heads: [null], " \
+            "kv_heads: [null], kv: [null], mlp: [tensor, null], layers: [null]}"
+    s = build(str(f), "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", f"sharding.extra_rules={extra}")
+    assert s.fns.state_shardings["params"]["layers"][0]["mlp"]["w_up"].spec == jax.sharding.PartitionSpec("fsdp",
+                                                                                                         "tensor")
 
 
 def test_mesh_product_not_device_count_names_every_axis():
-    from jaxtrain.mesh import resolve_sizes
+    from jaxtrain.parallel.mesh import resolve_sizes
     with pytest.raises(ConfigError) as e:
         resolve_sizes(cfglib.MeshConfig(data=2, fsdp=1, tensor=2, sequence=1, expert=1), 8)
     assert str(e.value) == ("mesh: the axis sizes multiply to 4 but there are 8 devices "

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 from jaxtrain import config as cfglib
-from jaxtrain import step as steplib
-from jaxtrain.mesh import build_mesh, resolve_sizes
-from jaxtrain.partitioning import Rules, path_str
+from jaxtrain.parallel.mesh import resolve_sizes
+from jaxtrain.parallel.rules import path_str
+from jaxtrain.train import setup
 
-from conftest import SMALL
+from conftest import SMALL, put_windows
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 REGEN = os.environ.get("JAXTRAIN_REGEN_GOLDEN") == "1"
@@ -52,15 +52,13 @@ def windows(corpus_path) -> np.ndarray:
 
 
 def train(cfg: cfglib.Config, devices, windows: np.ndarray):
-    mesh = build_mesh(cfg.mesh, devices)
-    cfglib.check_against_mesh(cfg, dict(mesh.shape))
-    trainer = steplib.build(cfg, mesh, Rules.load(cfg.sharding.rules), VOCAB)
-    state, losses, batch = trainer.init(), [], None
+    fns = setup(cfg, devices, vocab=VOCAB).fns
+    state, losses, batch = fns.init(), [], None
     for w in windows:
-        batch = jax.device_put(w, trainer.batch_sharding)
-        state, metrics = trainer.train_step(state, batch)
+        batch = put_windows(w, fns.batch_sharding)
+        state, metrics = fns.train_step(state, batch)
         losses.append(float(metrics["loss"]))
-    return losses, state, batch
+    return losses, state, batch["inputs"]
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,10 @@
 """Memory accounting: per-device state bytes follow the ZeRO arithmetic of each rule set."""
-import jax
 import pytest
 
 from jaxtrain import config as cfglib
-from jaxtrain import memory
-from jaxtrain import step as steplib
-from jaxtrain.mesh import build_mesh
-from jaxtrain.models import count_params
+from jaxtrain.analysis import memory
+from jaxtrain.train import setup
+from jaxtrain.train.step import count_params
 
 from conftest import SMALL
 
@@ -20,10 +18,10 @@ COUNTERS = 2 * 4  # two int32 step counters in the optax state (clip + adamw), r
 
 def report(rules: str, mesh: tuple[str, ...]):
     cfg = cfglib.load(None, [*SMALL, *mesh, f"sharding.rules={rules}"])
-    trainer = steplib.build(cfg, build_mesh(cfg.mesh), steplib.Rules.load(rules), V)
-    abstract = jax.eval_shape(trainer.init)
+    s = setup(cfg, vocab=V)
+    abstract = s.abstract_state()
     assert count_params(abstract["params"]) == N_PARAMS
-    return memory.state_report(abstract, trainer.state_shardings), trainer, abstract
+    return memory.state_report(abstract, s.fns.state_shardings), s, abstract
 
 
 @pytest.mark.parametrize("rules,mesh,param_div,opt_div", [
@@ -41,12 +39,12 @@ def test_zero_arithmetic(rules, mesh, param_div, opt_div):
 
 
 def test_compiled_arguments_are_the_sharded_state_and_batch():
-    rep, trainer, abstract = report("fsdp", ("mesh.data=1", "mesh.fsdp=8"))
-    batch = jax.ShapeDtypeStruct((1, 8, 33), jax.numpy.int32, sharding=trainer.batch_sharding)
-    compiled = trainer.train_step.lower(abstract, batch).compile()
-    got = memory.state_report(abstract, trainer.state_shardings, compiled)
+    rep, s, abstract = report("fsdp", ("mesh.data=1", "mesh.fsdp=8"))
+    compiled, _ = s.compile_abstract()
+    got = memory.state_report(abstract, s.fns.state_shardings, compiled)
     step_and_rng = 4 + 8  # int32 step, uint32[2] key data (replicated)
-    assert got.compiled["argument"] == rep.params + rep.opt_state + step_and_rng + 1 * 1 * 33 * 4
+    batch = 3 * 1 * 1 * 32 * 4  # inputs, targets, loss_mask: [1, 8, 32] int32, 1 row of 8 per device
+    assert got.compiled["argument"] == rep.params + rep.opt_state + step_and_rng + batch
     assert got.compiled["alias"] == rep.params + rep.opt_state + step_and_rng  # the donated state
     assert got.compiled["peak"] >= got.compiled["argument"] and got.compiled["temp"] > 0
     assert got.summary().startswith(f"memory per device: params {memory.fmt_bytes(rep.params)}, ")

@@ -17,16 +17,21 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from jaxtrain.config.schema import Config, ConfigError
+from jaxtrain.config.schema import DEFAULT_FAMILY, Config, ConfigError, ModelConfig, family_config
 
-def _fields(model_cls: type[BaseModel]) -> dict[str, Any]:
-    return model_cls.model_fields
+
+def _section_class(annotation: Any, subtree: Any) -> Any:
+    """The schema class of a section: a ``model:`` mapping is checked against its family's class."""
+    if annotation is ModelConfig:
+        family = subtree.get("family", DEFAULT_FAMILY) if isinstance(subtree, dict) else DEFAULT_FAMILY
+        return family_config(family) if isinstance(family, str) else ModelConfig
+    return annotation
 
 
 def _check_keys(tree: Any, model_cls: type[BaseModel], prefix: str = "") -> None:
     if not isinstance(tree, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {tree!r}")
-    fields = _fields(model_cls)
+    fields = model_cls.model_fields
     for key, value in tree.items():
         dotted = f"{prefix}{key}"
         if key not in fields:
@@ -34,15 +39,17 @@ def _check_keys(tree: Any, model_cls: type[BaseModel], prefix: str = "") -> None
             close = difflib.get_close_matches(dotted, valid, n=1, cutoff=0.5)
             hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(valid)}"
             raise ConfigError(f"unknown config key '{dotted}'{hint}")
-        sub = fields[key].annotation
+        sub = _section_class(fields[key].annotation, value)
         if isinstance(sub, type) and issubclass(sub, BaseModel):
             _check_keys(value, sub, dotted + ".")
 
 
-def _annotation(path: list[str]) -> Any:
-    """The schema annotation of a dotted path, or None if the path is not in the schema."""
+def _annotation(path: list[str], family: str = DEFAULT_FAMILY) -> Any:
+    """The schema annotation of a dotted path (``model.*`` in ``family``'s schema), or None."""
     cls: Any = Config
     for part in path:
+        if cls is ModelConfig:
+            cls = family_config(family)
         if not (isinstance(cls, type) and issubclass(cls, BaseModel)) or part not in cls.model_fields:
             return None
         cls = cls.model_fields[part].annotation
@@ -58,11 +65,12 @@ def _is_string_field(annotation: Any) -> bool:
     return typing.get_origin(annotation) in (typing.Union, types.UnionType) and str in args  # Optional[str]
 
 
-def parse_override(item: str) -> tuple[list[str], Any]:
+def parse_override(item: str, family: str = DEFAULT_FAMILY) -> tuple[list[str], Any]:
     """``'train.steps=10'`` -> (['train', 'steps'], 10).
 
     Values are parsed as YAML scalars, except for string fields, which take the
     text as written (``data.path=2024`` stays '2024'; ``null`` still means None).
+    ``model.*`` keys are typed by the schema of ``family``.
     """
     if "=" not in item:
         raise ConfigError(f"override '{item}': expected dotted key=value, e.g. train.steps=100")
@@ -70,13 +78,14 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override '{item}': empty key")
     path = key.split(".")
-    if _is_string_field(_annotation(path)) and raw not in ("null", "~"):
+    annotation = _annotation(path, family) if path[0] != "model" or path[1:] != ["family"] else str
+    if _is_string_field(annotation) and raw not in ("null", "~"):
         return path, raw
     try:
         value = yaml.load(raw, Loader=UniqueKeyLoader) if raw != "" else ""
     except yaml.YAMLError:
         value = raw
-    if isinstance(value, str) and float in (_annotation(path), *typing.get_args(_annotation(path))):
+    if isinstance(value, str) and float in (annotation, *typing.get_args(annotation)):
         try:
             value = float(raw)  # 'nan', 'inf' (checked later with a named error)
         except ValueError:
@@ -93,7 +102,8 @@ def _set(tree: dict, path: list[str], value: Any) -> None:
     node[path[-1]] = value
 
 
-def _validation_to_config_error(err: ValidationError) -> ConfigError:
+def validation_error(err: ValidationError) -> ConfigError:
+    """The first problem of a pydantic ValidationError as a ConfigError naming the dotted key."""
     first = err.errors()[0]
     key = ".".join(str(p) for p in first["loc"]) or "config"
     got = first.get("input")
@@ -108,7 +118,7 @@ def from_dict(tree: dict) -> Config:
     try:
         return Config.model_validate(tree)
     except ValidationError as err:
-        raise _validation_to_config_error(err) from None
+        raise validation_error(err) from None
 
 
 def load(path: Optional[str] = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -131,8 +141,13 @@ def load(path: Optional[str] = None, overrides: list[str] | tuple[str, ...] = ()
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {file}: top level must be a mapping")
         tree = loaded or {}
+    family = tree.get("model", {}).get("family", DEFAULT_FAMILY) if isinstance(tree.get("model"), dict) \
+        else DEFAULT_FAMILY
+    for item in overrides:  # the family named last decides how model.* values are typed
+        if item.startswith("model.family="):
+            family = item.split("=", 1)[1]
     for item in overrides:
-        key, value = parse_override(item)
+        key, value = parse_override(item, family)
         _set(tree, key, value)
     return from_dict(tree)
 
@@ -158,6 +173,12 @@ UniqueKeyLoader.add_implicit_resolver(
     list("-+0123456789"))
 
 
+def resource_roots(folder: str) -> list[Path]:
+    """Where ``configs/`` or ``sharding_rules/`` live: the source checkout, then the installed package."""
+    here = Path(__file__).resolve()
+    return [here.parents[2] / folder, here.parents[1] / folder]
+
+
 def resolve_resource(name: str, folder: str, key: str) -> Path:
     """Finds a YAML file given as a path, or by name in ``configs/`` / ``sharding_rules/``.
 
@@ -168,8 +189,7 @@ def resolve_resource(name: str, folder: str, key: str) -> Path:
     if candidate.is_file():
         return candidate
     stem = name if name.endswith((".yaml", ".yml")) else name + ".yaml"
-    here = Path(__file__).resolve()
-    roots = [here.parents[2] / folder, here.parents[1] / folder]  # source checkout, installed package data
+    roots = resource_roots(folder)
     for root in roots:
         if (root / stem).is_file():
             return root / stem

@@ -13,30 +13,20 @@ from typing import Callable, Optional
 from jax.sharding import NamedSharding
 
 from jaxtrain.config import Config
-from jaxtrain.data import packing, pipeline, sources, store, windows
-from jaxtrain.data.tokenizers import (ByteTokenizer, CharTokenizer, DataError, HFTokenizer,
-                                      SentencePieceTokenizer, Tokenizer, from_json, identity, special_ids)
+from jaxtrain.data import arrays, packing, pipeline, sources, store, windows
+from jaxtrain.data.tokenizers import DataError, Tokenizer, from_json, identity, make_tokenizer, special_ids
 
 
 @dataclass
 class Data:
-    tokenizer: Tokenizer
-    val: dict  # packing.FIELDS -> [eval_batches, micro_batch, seq_len] int32
+    """A text data set for a language model; ``jaxtrain.fit`` reads any object with these fields."""
+
+    tokenizer: Optional[Tokenizer]
+    val: dict  # field -> [eval_batches, micro_batch, seq_len] int32 (packing.FIELDS; windows: 3 of them)
     iterator: Callable[[NamedSharding], object]  # sharding -> iterator with get_state/set_state
     info: list[str] = field(default_factory=list)  # lines for the log
     schedule: Optional[pipeline.Schedule] = None
     bos_id: Optional[int] = None  # prepended to sampling prompts when documents start with it
-
-
-def make_tokenizer(cfg: Config, char_text: Callable[[], str] = lambda: "") -> Tokenizer:
-    """The configured tokenizer; BOS/EOS of byte and char tokenizers are extra ids after the vocabulary."""
-    d = cfg.data
-    specials = tuple(n for n, on in (("<bos>", d.add_bos), ("<eos>", d.add_eos)) if on)
-    if d.tokenizer == "byte":
-        return ByteTokenizer(specials)
-    if d.tokenizer == "char":
-        return CharTokenizer.build(char_text(), specials)
-    return (HFTokenizer if d.tokenizer == "hf" else SentencePieceTokenizer)(d.tokenizer_path)
 
 
 def read_texts(src, ids, keep_bytes: bool, stats: dict) -> list:
@@ -71,7 +61,7 @@ def load(cfg: Config, saved: Optional[dict] = None) -> Data:
 
         def make(sharding):
             ds = windows.train_dataset(corpus.train, d.seq_len, t.global_batch, d.seed)
-            return windows.BatchIterator(ds, t.grad_accum, sharding)
+            return arrays.BatchIterator(ds.map(packing.from_windows), t.grad_accum, sharding)
         return Data(corpus.tokenizer, packing.from_windows(val), make)
 
     specs = dict(d.mixture) if d.mixture else {d.path: None}
@@ -84,7 +74,7 @@ def load(cfg: Config, saved: Optional[dict] = None) -> Data:
     if d.tokenizer == "char" and any(caches.values()):
         tok = from_json(store.read_meta(next(p for p, c in caches.items() if c))["tokenizer"])
     else:  # a char vocabulary covers every document of the sources (as jaxtrain.data.prepare builds it)
-        tok = make_tokenizer(cfg, lambda: "".join(x if isinstance(x, str) else x.decode("utf-8", "replace")
+        tok = make_tokenizer(d, lambda: "".join(x if isinstance(x, str) else x.decode("utf-8", "replace")
                                                   for txt in texts.values() for x in txt))
     if saved is not None and identity(tok) != {k: v for k, v in saved.items() if k != "source"}:
         raise DataError(f"data.path: the tokenizer for '{d.path}' differs from the one saved in the run "
@@ -111,3 +101,14 @@ def load(cfg: Config, saved: Optional[dict] = None) -> Data:
     def make(sharding):
         return pipeline.DocBatchIterator(sched, t.global_batch, t.grad_accum, sharding, d.prefetch)
     return Data(tok, val, make, [pipeline.describe(sched, stats)], sched, bos)
+
+
+def vocab_size(cfg: Config) -> int:
+    """The vocabulary of the configured tokenizer (a char vocabulary is built from the corpus).
+
+    Raises:
+      DataError: as :func:`load` (a char vocabulary needs the data).
+    """
+    if cfg.data.tokenizer == "char":
+        return load(cfg).tokenizer.vocab_size
+    return make_tokenizer(cfg.data).vocab_size

@@ -29,10 +29,11 @@ def local_rows(sharding: NamedSharding, global_shape: tuple[int, ...], axis: int
     return lo, hi
 
 
-def to_global(local: dict[str, np.ndarray], sharding: NamedSharding,
-              global_shape: tuple[int, ...]) -> dict[str, jax.Array]:
-    """Per-process rows [accum, hi - lo, ...] -> global jax.Arrays of ``global_shape`` on ``sharding``."""
-    return {k: jax.make_array_from_process_local_data(sharding, v, global_shape) for k, v in local.items()}
+def to_global(local: dict[str, np.ndarray], sharding: NamedSharding, micro: int) -> dict[str, jax.Array]:
+    """Per-process rows ``[accum, hi - lo, ...]`` of each field -> global ``[accum, micro, ...]``
+    jax.Arrays on ``sharding`` (the micro-batch assembled from every process's rows)."""
+    return {k: jax.make_array_from_process_local_data(sharding, v, (v.shape[0], micro, *v.shape[2:]))
+            for k, v in local.items()}
 
 
 def initialize(coordinator: str, num_processes: int, process_id: int,

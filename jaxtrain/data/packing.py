@@ -102,9 +102,10 @@ def stack(rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
 
 
 def from_windows(windows: np.ndarray) -> dict[str, np.ndarray]:
-    """[..., seq_len + 1] contiguous token windows -> the row dict (one segment, all pairs in the loss)."""
+    """[..., seq_len + 1] contiguous token windows -> {inputs, targets, loss_mask}, each [..., seq_len].
+
+    A window is one segment at positions 0..seq_len-1 with every pair in the loss, which is
+    what the model assumes without ``positions`` and ``segment_ids``, so those are left out.
+    """
     inputs = np.asarray(windows[..., :-1], np.int32)
-    ones = np.ones_like(inputs)
-    positions = np.broadcast_to(np.arange(inputs.shape[-1], dtype=np.int32), inputs.shape).copy()
-    return {"inputs": inputs, "targets": np.asarray(windows[..., 1:], np.int32), "positions": positions,
-            "segment_ids": ones, "loss_mask": ones.copy()}
+    return {"inputs": inputs, "targets": np.asarray(windows[..., 1:], np.int32), "loss_mask": np.ones_like(inputs)}

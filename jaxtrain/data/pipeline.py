@@ -19,7 +19,7 @@ Rows are assembled ahead of use by a Grain ``MapDataset`` read with threads.
 from __future__ import annotations
 
 import threading
-from typing import Iterator, Optional
+from typing import Iterator
 
 import grain
 import jax
@@ -144,7 +144,7 @@ class DocBatchIterator:
     def __next__(self) -> dict[str, jax.Array]:
         local = next(self._iter)
         self.next_row += self.batch
-        return multihost.to_global(local, self.sharding, self.shape)
+        return multihost.to_global(local, self.sharding, self.micro)
 
 
 def val_rows(parts: list, seq_len: int, mode: str, micro: int, n_batches: int,
@@ -181,7 +181,7 @@ def check_size(sched: Schedule, global_batch: int, name: str) -> None:
                         f"per epoch, fewer than one batch (train.global_batch={global_batch})")
 
 
-def describe(sched: Schedule, stats: dict, tokens_per_epoch: Optional[int] = None) -> str:
+def describe(sched: Schedule, stats: dict) -> str:
     lay = sched.layout(0)
     skipped = stats["skipped_empty"] + stats["skipped_short"]
     return (f"data: {stats['documents']} documents, {stats['tokens']} tokens, mode {sched.mode}: "

@@ -14,21 +14,19 @@ different tokenizer is refused. A progress bar shows documents and tokens/s.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional, Sequence
 
 import numpy as np
 
-from jaxtrain.config import Config, ConfigError, load
+from jaxtrain.config import Config
 from jaxtrain.data import sources, store
-from jaxtrain.data.corpus import make_tokenizer, read_texts
-from jaxtrain.data.tokenizers import DataError, identity, special_ids
+from jaxtrain.data.corpus import read_texts
+from jaxtrain.data.tokenizers import DataError, identity, make_tokenizer, special_ids
 
 
 def prepare(cfg: Config, out: str, docs_per_shard: int = 100_000, progress: bool = True) -> dict:
@@ -45,7 +43,7 @@ def prepare(cfg: Config, out: str, docs_per_shard: int = 100_000, progress: bool
     char_text = lambda: "".join(  # noqa: E731  (char vocabularies need one pass over the text first)
         t if isinstance(t, str) else t.decode("utf-8", "replace")
         for t in read_texts(src, range(len(src)), keep_bytes, store.new_stats()))
-    tok = make_tokenizer(cfg, char_text)
+    tok = make_tokenizer(cfg.data, char_text)
     bos, eos = special_ids(tok, d.add_bos, d.add_eos, d.bos_token, d.eos_token)
 
     remote = sources.is_remote(out)
@@ -121,27 +119,6 @@ class _Progress:
             self.bar.stop()
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxtrain.data.prepare",
-                                     description="Tokenize data.path once into an ArrayRecord token cache.")
-    parser.add_argument("--config", help="YAML config file or a name in configs/ (its data section is used)")
-    parser.add_argument("--out", required=True, help="output directory (local, gs:// or s3://)")
-    parser.add_argument("--docs-per-shard", type=int, default=100_000)
-    parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. data.path=corpus/*.jsonl")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        # The mode does not matter to a cache; packed lets BOS/EOS options validate.
-        meta = prepare(load(args.config, ["data.mode=packed", *args.overrides]), args.out, args.docs_per_shard, not args.no_progress)
-    except (ConfigError, DataError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    rate = meta["tokens"] / max(meta["seconds"], 1e-9)
-    print(f"wrote {args.out}: {meta['documents']} documents, {meta['tokens']} tokens in {len(meta['shards'])} "
-          f"shard(s), {rate:,.0f} tokens/s; skipped {meta['stats']['skipped_empty'] + meta['stats']['skipped_short']}"
-          f", invalid UTF-8 replaced in {meta['stats']['invalid_utf8']}")
-    return 0
-
-
-if __name__ == "__main__":
+if __name__ == "__main__":  # python -m jaxtrain.data.prepare: the command line is jaxtrain.cli.prepare
+    from jaxtrain.cli.prepare import main
     sys.exit(main())

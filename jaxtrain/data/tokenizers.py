@@ -13,15 +13,17 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import numpy as np
 
+from jaxtrain.config.schema import DataConfig
+from jaxtrain.errors import InputError
+
 TOKENIZER_FILE = "tokenizer.json"
-KINDS = ("byte", "char", "hf", "sentencepiece")
 
 
-class DataError(ValueError):
+class DataError(InputError, ValueError):
     """Bad input data: a missing path, a corpus too short, a malformed record, a tokenizer mismatch."""
 
 
@@ -170,6 +172,21 @@ class SentencePieceTokenizer:
 
 
 Tokenizer = Union[ByteTokenizer, CharTokenizer, HFTokenizer, SentencePieceTokenizer]
+
+def make_tokenizer(d: DataConfig, char_text: Callable[[], str] = lambda: "") -> "Tokenizer":
+    """The tokenizer ``data.tokenizer`` names. BOS/EOS of the byte and char tokenizers are extra ids
+    after their vocabulary; a char vocabulary is built from ``char_text()`` (read only when needed).
+
+    Raises:
+      DataError: a tokenizer file that is missing or invalid (nothing is ever downloaded).
+    """
+    specials = tuple(n for n, on in (("<bos>", d.add_bos), ("<eos>", d.add_eos)) if on)
+    if d.tokenizer == "byte":
+        return ByteTokenizer(specials)
+    if d.tokenizer == "char":
+        return CharTokenizer.build(char_text(), specials)
+    return (HFTokenizer if d.tokenizer == "hf" else SentencePieceTokenizer)(d.tokenizer_path)
+
 
 # Default special-token names tried when data.bos_token / data.eos_token are empty.
 DEFAULT_BOS = ("<bos>", "<s>", "<|begin_of_text|>", "<|startoftext|>", "[CLS]")

@@ -12,17 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import grain
-import jax
 import numpy as np
-from jax.sharding import NamedSharding
 
 from jaxtrain.config import Config
-from jaxtrain.data import multihost, packing, sources
-from jaxtrain.data.tokenizers import (ByteTokenizer, CharTokenizer, DataError, HFTokenizer,
-                                      SentencePieceTokenizer, Tokenizer, identity)
+from jaxtrain.data import sources
+from jaxtrain.data.tokenizers import DataError, Tokenizer, identity, make_tokenizer
 
 
 def corpus_files(path: str) -> list[Path]:
@@ -50,20 +47,12 @@ def load_corpus(cfg: Config, saved: Optional[Tokenizer] = None) -> Corpus:
     """
     files = corpus_files(cfg.data.path)
     raw = b"\n".join(f.read_bytes() for f in files)
-    if cfg.data.tokenizer == "byte":
-        split = int(len(raw) * (1 - cfg.data.val_fraction))
-        tok: Tokenizer = ByteTokenizer()
-        train, val = tok.encode(raw[:split]), tok.encode(raw[split:])
-    else:
-        text = raw.decode("utf-8", errors="replace")
-        split = int(len(text) * (1 - cfg.data.val_fraction))
-        if cfg.data.tokenizer == "char":
-            tok = CharTokenizer.build(text[:split])
-        elif cfg.data.tokenizer == "hf":
-            tok = HFTokenizer(cfg.data.tokenizer_path)
-        else:
-            tok = SentencePieceTokenizer(cfg.data.tokenizer_path)
-        train, val = tok.encode(text[:split]), tok.encode(text[split:])
+    # Bytes split by bytes (invalid UTF-8 kept); text tokenizers split the decoded text, and a
+    # char vocabulary comes from the training split only.
+    data = raw if cfg.data.tokenizer == "byte" else raw.decode("utf-8", errors="replace")
+    split = int(len(data) * (1 - cfg.data.val_fraction))
+    tok = make_tokenizer(cfg.data, lambda: data[:split])
+    train, val = tok.encode(data[:split]), tok.encode(data[split:])
     if saved is not None and identity(saved) != identity(tok):
         raise DataError(f"data.path: the tokenizer built from '{cfg.data.path}' differs from the one saved "
                         f"in the run directory; use a new run.dir or the original corpus")
@@ -91,33 +80,3 @@ def val_batches(tokens: np.ndarray, seq_len: int, batch: int, n_batches: int, se
     """A fixed set of validation windows, [n_batches, batch, seq_len + 1] int32 (random offsets, seeded)."""
     starts = np.random.default_rng(seed + 1).integers(0, len(tokens) - seq_len, size=(n_batches, batch))
     return tokens[starts[..., None] + np.arange(seq_len + 1)]
-
-
-class BatchIterator:
-    """Yields global batches as dicts of ``[grad_accum, micro_batch, seq_len]`` jax.Arrays on the mesh
-    (packing.FIELDS; windows are one segment with every pair in the loss).
-
-    Every process draws the (cheap) global window indices, keeps only its own rows of every
-    micro-batch, and the global arrays are assembled with ``jax.make_array_from_process_local_data``.
-    """
-
-    def __init__(self, dataset: grain.MapDataset, grad_accum: int, sharding: NamedSharding):
-        self._iter = iter(dataset.to_iter_dataset())
-        self.grad_accum = grad_accum
-        self.sharding = sharding
-
-    def get_state(self) -> dict:
-        return dict(self._iter.get_state())
-
-    def set_state(self, state: dict) -> None:
-        self._iter.set_state(state)
-
-    def __iter__(self) -> Iterator[jax.Array]:
-        return self
-
-    def __next__(self) -> dict[str, jax.Array]:
-        batch = np.asarray(next(self._iter))
-        batch = batch.reshape(self.grad_accum, -1, batch.shape[-1])
-        shape = (batch.shape[0], batch.shape[1], batch.shape[2] - 1)
-        lo, hi = multihost.local_rows(self.sharding, shape)
-        return multihost.to_global(packing.from_windows(batch[:, lo:hi]), self.sharding, shape)

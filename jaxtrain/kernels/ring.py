@@ -29,7 +29,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain.kernels import reference
-from jaxtrain.partitioning import active_sharding
+from jaxtrain.parallel.activations import active_sharding
 
 F32 = jnp.float32
 

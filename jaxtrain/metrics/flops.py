@@ -1,32 +1,16 @@
-"""FLOPs per token, peak FLOP/s per device, and MFU.
+"""Peak FLOP/s per device, MFU, and XLA's own FLOP count of a compiled program.
 
 MFU (model FLOPs utilisation, Chowdhery et al. 2022, "PaLM: Scaling Language
 Modeling with Pathways", appendix B) is
-``tokens_per_sec * flops_per_token / peak_flops`` with the *model* FLOPs of a
-training step (forward + backward, no remat recompute) per token:
+``units_per_sec * flops_per_unit / peak_flops``: the *model* FLOPs of a training step
+(forward + backward, no remat recompute) per token (or per example), which each model
+family defines (e.g. ``models/llama/flops.py``: 6N + 12*L*H*Q*T), over the peak of
+the devices the run uses.
 
-    6 * N  +  12 * L * H * Q * T
-
-N counts the matmul parameters (every weight matrix, including the LM head,
-excluding the input-embedding lookup, which is a gather); L layers, H query
-heads, Q head dim, T sequence length. 6 = 2 FLOPs per multiply-add x (1
-forward + 2 backward matmuls). The attention term is the QK^T and AV matmuls,
-2 * 2 * T * H * Q per token and layer forward, times 3 for the backward; like
-PaLM (and MaxText, torchtitan) it counts the full T x T square, not only the
-causal half.
-
-Known gaps against XLA's own count (``compiled.cost_analysis()['flops']``,
-checked within 10% by tests/test_flops.py):
-  * XLA also counts the elementwise work (norms, rotary, softmax, SwiGLU,
-    cross-entropy, AdamW): a few % on small models, less on large ones.
-  * The ``xla`` attention computes the full square, so XLA's count matches the
-    formula; a causal kernel that skips masked blocks does ~half the attention
-    work while MFU still credits the full term (the convention).
-  * Remat recompute is executed but not credited: with ``model.remat=full``
-    XLA counts roughly one extra forward (~+33% of 6N); MFU stays on 6N.
-  * XLA counts a ``while`` loop body once, not times its trip count, so with
-    ``model.scan_layers=true`` or ``train.grad_accum>1`` its total is low by
-    about that factor. Compare against the unrolled, single-micro-batch step.
+Known gaps of a family's formula against XLA's count (``compiled.cost_analysis()``):
+XLA also counts elementwise work (norms, softmax, optimizer) and remat recompute, and
+counts a ``while`` body (``model.scan_layers``, ``train.grad_accum > 1``) once, not
+times its trip count; compare against the unrolled, single-micro-batch step.
 """
 from __future__ import annotations
 
@@ -62,27 +46,6 @@ PEAK_FLOPS: list[tuple[str, dict[str, float]]] = [
     ("tpu v6 lite", {"bfloat16": 918e12}),  # v6e Trillium (device_kind "TPU v6 lite"): 918 TFLOPS bf16
     ("tpu v6e", {"bfloat16": 918e12}),
 ]
-
-
-def matmul_params(cfg: Config, vocab_size: int) -> int:
-    """Parameters that take part in matmuls (N of the 6N term)."""
-    m = cfg.model
-    hd = m.d_model // m.n_heads
-    attn = m.d_model * hd * (2 * m.n_heads + 2 * m.n_kv_heads)
-    mlp = 3 * m.d_model * m.d_ff
-    head = m.d_model * vocab_size  # the LM head (tied or not, it is one matmul)
-    return m.n_layers * (attn + mlp) + head
-
-
-def attention_flops_per_token(cfg: Config) -> float:
-    """12*L*H*Q*T: QK^T and AV, forward and backward, full T x T square (FLOPs/token)."""
-    m = cfg.model
-    return 12.0 * m.n_layers * m.n_heads * (m.d_model // m.n_heads) * cfg.data.seq_len
-
-
-def flops_per_token(cfg: Config, vocab_size: int) -> float:
-    """Training FLOPs per token: 6N + 12*L*H*Q*T (PaLM appendix B)."""
-    return 6.0 * matmul_params(cfg, vocab_size) + attention_flops_per_token(cfg)
 
 
 def xla_flops(compiled: Any) -> Optional[float]:
@@ -136,12 +99,13 @@ def total_peak_flops(cfg: Config, devices, calibrate: bool = True) -> tuple[Opti
     Order: ``train.peak_tflops`` (per device, x device count) if set; on CPU a
     matmul timed now in this process (the host's rate, not multiplied by the
     number of simulated devices; ``calibrate=False`` skips it -> None); else the
-    table for the device kind and ``model.dtype``. Returns (None, reason) for an
+    table for the device kind and ``model.dtype`` (float32 when the model section has
+    none, e.g. ``family: custom``). Returns (None, reason) for an
     unknown accelerator or dtype without ``train.peak_tflops``: MFU is then
     reported as n/a, never computed from another chip's peak.
     """
     devices = list(devices)
-    dtype = cfg.model.dtype
+    dtype = getattr(cfg.model, "dtype", "float32")
     if cfg.train.peak_tflops is not None:
         return cfg.train.peak_tflops * 1e12 * len(devices), "config train.peak_tflops"
     if devices[0].platform == "cpu":
@@ -154,8 +118,8 @@ def total_peak_flops(cfg: Config, devices, calibrate: bool = True) -> tuple[Opti
     return peak * len(devices), f"table ({devices[0].device_kind}, {dtype})"
 
 
-def mfu(tokens_per_sec: float, flops_per_token_: float, peak: Optional[float]) -> Optional[float]:
-    """Model FLOPs utilisation (fraction), or None when the peak is unknown."""
-    if not peak:
+def mfu(units_per_sec: float, flops_per_unit: Optional[float], peak: Optional[float]) -> Optional[float]:
+    """Model FLOPs utilisation (fraction), or None when the peak or the model's FLOPs are unknown."""
+    if not peak or not flops_per_unit:
         return None
-    return tokens_per_sec * flops_per_token_ / peak
+    return units_per_sec * flops_per_unit / peak

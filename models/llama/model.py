@@ -29,7 +29,6 @@ the block input, 'save_matmuls' also keeps the weight-matmul outputs (JAX's
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Optional
 
 import jax
@@ -37,30 +36,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.models.attention import attention
-from jaxtrain.partitioning import constrain, devices_along
+from jaxtrain.models.llama.config import LlamaConfig
+from jaxtrain.parallel.activations import constrain, devices_along
 
-
-@dataclass(frozen=True)
-class LlamaConfig:
-    vocab_size: int
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = 4
-    d_ff: int = 384
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    dtype: str = "float32"
-    param_dtype: str = "float32"
-    init_std: float = 0.02
-    attention: str = "auto"  # see models/attention.py
-    scan_layers: bool = False  # stack the blocks and lax.scan over them
-    remat: str = "none"  # none | full | save_matmuls
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+# Every logical name the parameters and activations below use (each rule set must name them all).
+LOGICAL_AXES = ("batch", "length", "residual_length", "kv_length", "embed", "vocab", "heads", "kv_heads",
+                "kv", "mlp", "layers")
 
 
 def project(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
@@ -177,6 +158,8 @@ class Llama(nnx.Module):
     """Decoder-only LM. tokens [batch, length] int32 -> logits [batch, length, vocab] float32."""
 
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        if cfg.vocab_size < 1:
+            raise ValueError(f"Llama needs a resolved vocab_size, got {cfg.vocab_size}")
         self.cfg = cfg
         pd = cfg.param_dtype
         self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, param_dtype=jnp.dtype(pd), rngs=rngs,
@@ -249,9 +232,3 @@ def scan_blocks(stacked: Block, x: jax.Array, positions, segment_ids, remat: str
 
     x, _ = jax.lax.scan(_checkpoint(body, remat, prevent_cse=False), x, state)
     return x
-
-
-def count_params(model_or_state) -> int:
-    """Number of parameters (elements of nnx.Param leaves)."""
-    state = nnx.state(model_or_state, nnx.Param) if isinstance(model_or_state, nnx.Module) else model_or_state
-    return sum(x.size for x in jax.tree_util.tree_leaves(state))

@@ -7,12 +7,9 @@ from typing import Optional, Sequence
 import jax
 import numpy as np
 from jax.experimental import mesh_utils
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh
 
 from jaxtrain.config import MESH_AXES, ConfigError, MeshConfig
-
-# Mesh axes a global batch is split over (the 'batch' logical name in every rule set).
-BATCH_AXES = ("data", "fsdp", "expert")
 
 
 def resolve_sizes(mesh_cfg: MeshConfig, n_devices: int) -> dict[str, int]:
@@ -52,12 +49,6 @@ def build_mesh(mesh_cfg: MeshConfig, devices: Optional[Sequence[jax.Device]] = N
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
-def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
-    """[batch, ...] over the batch axes (data, fsdp, expert), other dims replicated."""
-    return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
-
-
 def describe(mesh: Mesh) -> str:
     n = mesh.devices.size
     return " ".join(f"{a}={mesh.shape[a]}" for a in MESH_AXES) + f" ({n} device{'s' if n > 1 else ''})"
-

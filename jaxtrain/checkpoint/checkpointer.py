@@ -7,7 +7,7 @@ written by the primary process only after Orbax reports the async save
 finished. ``DIR`` is ``RUN_DIR/checkpoints`` or ``checkpoint.dir`` (a local
 path, ``gs://`` or ``s3://``; for S3, Orbax writes to ``RUN_DIR/checkpoints_staging``
 and each process uploads its own files before the marker is written, see
-:mod:`jaxtrain.ckpt_s3`).
+:mod:`jaxtrain.checkpoint.storage`).
 
 Crash consistency: a step directory without a readable marker is never
 restored and is deleted when the next :class:`Checkpointer` starts (Orbax
@@ -31,16 +31,17 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxtrain import ckpt_s3
+from jaxtrain.checkpoint import storage
 from jaxtrain.config import Config
-from jaxtrain.partitioning import path_str
+from jaxtrain.errors import InputError
+from jaxtrain.parallel.rules import path_str
 
 MARKER = "COMMIT.json"
 FORMAT = 1
 _STEP_DIR = re.compile(r"^(\d+)(\.orbax-checkpoint-tmp.*)?$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(InputError, RuntimeError):
     """A checkpoint cannot be saved or restored into the current run."""
 
 
@@ -89,10 +90,10 @@ class Checkpointer:
                  report: Optional[Callable[[dict], None]] = None):
         c = self.options = cfg.checkpoint
         try:
-            self.store = ckpt_s3.open_store(c.dir or str(Path(run_dir, "checkpoints").absolute()), c.s3_endpoint)
-        except ckpt_s3.StorageError as err:
+            self.store = storage.open_store(c.dir or str(Path(run_dir, "checkpoints").absolute()), c.s3_endpoint)
+        except storage.StorageError as err:
             raise CheckpointError(str(err)) from None
-        self.remote = isinstance(self.store, ckpt_s3.S3Store)
+        self.remote = isinstance(self.store, storage.S3Store)
         if self.remote:  # Orbax writes here; finished steps are uploaded, then removed
             self.directory = epath.Path(Path(run_dir, "checkpoints_staging").absolute())
             shutil.rmtree(self.directory, ignore_errors=True)

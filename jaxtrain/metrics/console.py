@@ -1,4 +1,4 @@
-"""Console output: a rich progress bar with ETA, per-log-step lines, the final report."""
+"""Console output: info lines, warning tables, a rich progress bar with ETA (``run.progress``)."""
 from __future__ import annotations
 
 import contextlib
@@ -20,6 +20,8 @@ def format_flops(flops_per_s: Optional[float]) -> str:
 
 
 class Reporter:
+    """Prints to stdout; ``quiet`` turns off only the progress bar (lines are always printed)."""
+
     def __init__(self, quiet: bool, total: int):
         self.console = Console(stderr=False, highlight=False)
         self.quiet = quiet
@@ -54,17 +56,7 @@ class Reporter:
         if self._progress is not None:
             self._progress.update(self._task, completed=step)
 
-    def log_train(self, row: dict) -> None:
-        mfu = f"{100 * row['mfu']:.1f}%" if row.get("mfu") is not None else "n/a"
-        self.console.print(
-            f"step {row['step']:>6} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | grad_norm "
-            f"{row['grad_norm']:.3f} | {row['tokens_per_sec']:,.0f} tokens/s | {row['step_time_s'] * 1e3:.1f} "
-            f"ms/step | MFU {mfu}", soft_wrap=True)
-
-    def log_eval(self, row: dict) -> None:
-        self.console.print(f"step {row['step']:>6} | val_loss {row['val_loss']:.4f}", soft_wrap=True)
-
-    def final(self, val_loss: float, n_batches: int, sample: str) -> None:
-        self.console.print(f"validation loss {val_loss:.4f} (mean over {n_batches} batches)")
-        self.console.print("sample:")
-        self.console.print(sample, markup=False, soft_wrap=True)
+    def text(self, title: str, text: str) -> None:
+        """``title:`` then ``text`` verbatim (no markup), e.g. a generated sample."""
+        self.console.print(f"{title}:")
+        self.console.print(text, markup=False, soft_wrap=True)

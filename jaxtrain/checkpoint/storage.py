@@ -1,4 +1,4 @@
-"""Where checkpoints live: local disk and ``gs://`` (Orbax writes there directly) or ``s3://``.
+"""Checkpoint storage: local disk and ``gs://`` (Orbax writes there directly), and ``s3://``.
 
 Orbax 0.12 cannot write ``s3://`` (it rewrites the URL to ``s3:/...``, fails,
 and leaves a ``./s3:`` folder), TensorStore's S3 driver ignores
@@ -56,9 +56,6 @@ class Store:
             os.fsync(f.fileno())
         os.replace(tmp, path)
 
-    def exists(self, rel: str) -> bool:
-        return (self.root / rel).exists()
-
     def unlink(self, rel: str) -> None:
         path = self.root / rel
         if path.exists():
@@ -110,9 +107,6 @@ class S3Store(Store):
 
     def write_text(self, rel: str, text: str) -> None:
         self.fs.pipe_file(self._key(rel), text.encode())  # one PUT: atomic
-
-    def exists(self, rel: str) -> bool:
-        return bool(self.fs.exists(self._key(rel)))
 
     def unlink(self, rel: str) -> None:
         if self.fs.exists(self._key(rel)):

@@ -28,9 +28,6 @@ from typing import Any, Optional
 
 import jax
 
-STATE_KINDS = ("params", "grads", "opt_state")
-
-
 def shard_bytes(leaf: Any, sharding: Optional[jax.sharding.Sharding] = None) -> int:
     """Bytes of the largest shard of one array (or ShapeDtypeStruct) on any device."""
     sharding = sharding if sharding is not None else getattr(leaf, "sharding", None)

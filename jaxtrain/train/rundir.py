@@ -1,4 +1,8 @@
-"""A run directory that describes itself: resolved config, package versions, metrics."""
+"""A run directory that describes itself: resolved config, package versions, a lock, resume notes.
+
+Metric rows are written by the sinks (``jaxtrain.metrics.sinks``), checkpoints by
+``jaxtrain.checkpoint``.
+"""
 from __future__ import annotations
 
 import fcntl
@@ -6,7 +10,6 @@ import json
 import os
 import platform
 import sys
-import time
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -18,10 +21,6 @@ from jaxtrain.config import Config, ConfigError
 PACKAGES = ("jaxtrain", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "tensorstore",
             "numpy", "pydantic")
 
-
-# Keys whose change makes a checkpoint unloadable (parameter shapes, dtypes, layout).
-STATE_KEYS = ("model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads",
-              "model.d_ff", "model.tie_embeddings", "model.param_dtype", "model.scan_layers")
 # Keys whose change on resume is allowed but means the data stream or LR schedule differs.
 STREAM_KEYS = ("data.path", "data.tokenizer", "data.mode", "data.seed", "data.seq_len", "train.global_batch",
                "train.seed")
@@ -66,7 +65,7 @@ def write_config_file(cfg: Config, run_dir: Path) -> None:
 def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in tree.items():
-        if isinstance(value, dict) and key != "mixture":
+        if isinstance(value, dict) and key not in ("mixture", "extra_rules"):
             out.update(_flat(value, f"{prefix}{key}."))
         else:
             out[f"{prefix}{key}"] = value
@@ -94,7 +93,9 @@ def resume_changes(cfg: Config, run_dir: Path) -> tuple[list[str], list[str]]:
         raise ConfigError(f"run.dir: {path} is not valid YAML: {err}") from None
     new = _flat(cfg.to_dict())
     changed = [k for k in new if k in saved and saved[k] != new[k]]
-    shape_keys = [f"{k}: checkpoint has {saved[k]!r}, config has {new[k]!r}" for k in changed if k in STATE_KEYS]
+    # The model keys that fix parameter shapes, dtypes or layout (all model keys if the family says none).
+    layout = {f"model.{k}" for k in cfg.model.layout_keys} or {k for k in new if k.startswith("model.")}
+    shape_keys = [f"{k}: checkpoint has {saved[k]!r}, config has {new[k]!r}" for k in changed if k in layout]
     notes = [f"{k} changed from {saved[k]!r} to {new[k]!r}" for k in changed if k in STREAM_KEYS]
     old_horizon = saved.get("optimizer.decay_steps") or saved.get("train.steps")
     if old_horizon and old_horizon != cfg.decay_steps:
@@ -132,51 +133,3 @@ class RunLock:
             fcntl.flock(self._file, fcntl.LOCK_UN)
             self._file.close()
             self._file = None
-
-
-class MetricsWriter:
-    """Appends one JSON object per line to ``RUN_DIR/metrics.jsonl`` (flushed per row)."""
-
-    def __init__(self, run_dir: Path):
-        self.path = run_dir / "metrics.jsonl"
-        self._file = self.path.open("a")
-
-    def drop_after(self, step: int) -> None:
-        """Removes rows past ``step`` (left by a run that died after its last checkpoint), so a
-        resumed run's rows are not duplicated. Rewrites the file atomically."""
-        self._file.close()
-        lines = self.path.read_text().splitlines() if self.path.exists() else []
-        keep = [ln for ln in lines if ln.strip() and _step_of(ln) <= step]
-        if len(keep) != len(lines):
-            tmp = self.path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(ln + "\n" for ln in keep))
-            os.replace(tmp, self.path)
-        self._file = self.path.open("a")
-
-    def write(self, row: dict[str, Any]) -> None:
-        row = {"time": round(time.time(), 3), **{k: _plain(v) for k, v in row.items()}}
-        self._file.write(json.dumps(row) + "\n")
-        self._file.flush()
-
-    def close(self) -> None:
-        self._file.close()
-
-
-def _plain(value: Any) -> Any:
-    if hasattr(value, "item"):
-        value = value.item()
-    if isinstance(value, float):
-        return round(value, 6) if abs(value) >= 1e-3 else float(f"{value:.6g}")
-    return value
-
-
-def _step_of(line: str) -> int:
-    try:
-        return int(json.loads(line).get("step", 0))
-    except (ValueError, AttributeError):
-        return 0
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -22,13 +22,13 @@ Errors (all :class:`ShardingError`, naming array, dimension, size and axis):
   * a rules file naming a mesh axis that does not exist, or one axis twice in
     a candidate.
 
-Model code uses only :func:`constrain`, which is a no-op outside
-:func:`activation_sharding`; it never sees a mesh.
+Rule sets are the YAML files in ``sharding_rules/`` (:func:`rule_sets` lists them);
+``sharding.extra_rules`` adds or replaces entries from the config. Model code never sees
+a rule set or a mesh: it names activation dimensions through
+:func:`jaxtrain.parallel.activations.constrain`.
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -37,12 +37,14 @@ import jax
 import yaml
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxtrain.config import MESH_AXES, ConfigError, resolve_resource
+from jaxtrain.config import MESH_AXES, ConfigError, ShardingConfig, resolve_resource
+from jaxtrain.config.loading import resource_roots
+from jaxtrain.errors import InputError
 
 Candidate = Optional[tuple[str, ...]]  # None = replicate explicitly
 
 
-class ShardingError(ValueError):
+class ShardingError(InputError, ValueError):
     """A logical->mesh mapping that cannot be honoured without silent replication."""
 
 
@@ -55,6 +57,17 @@ class Rules:
     allow_fallback: bool = False
     fallbacks: list[str] = field(default_factory=list)  # report of replicated dims
     optimizer_table: Optional[dict[str, list[Candidate]]] = None  # overrides for optimizer state
+
+    @classmethod
+    def from_config(cls, sharding: ShardingConfig) -> "Rules":
+        """The rule set of ``sharding.rules`` with ``sharding.extra_rules`` laid over it."""
+        rules = cls.load(sharding.rules, sharding.allow_fallback)
+        if sharding.extra_rules:
+            extra = _parse_table("sharding.extra_rules", dict(sharding.extra_rules))
+            rules.table = {**rules.table, **extra}
+            if rules.optimizer_table:
+                rules.optimizer_table = {k: v for k, v in rules.optimizer_table.items() if k not in extra}
+        return rules
 
     @classmethod
     def load(cls, name_or_path: str, allow_fallback: bool = False) -> "Rules":
@@ -85,6 +98,13 @@ class Rules:
             return self
         return Rules(f"{self.name}[optimizer]", {**self.table, **self.optimizer_table}, self.allow_fallback,
                      self.fallbacks)
+
+    def check_names(self, names, owner: str) -> None:
+        """Raises ShardingError listing every logical name in ``names`` this rule set has no rule for."""
+        missing = [n for n in names if n not in self.table]
+        if missing:
+            raise ShardingError(f"rule set '{self.name}' has no rule for logical name(s) {', '.join(missing)} "
+                                f"used by {owner} (add them to the rules file or to sharding.extra_rules)")
 
     def mesh_axes(self) -> set[str]:
         """Mesh axes that some rule other than 'batch' names (the axes this rule set shards params
@@ -183,6 +203,11 @@ def check_mesh_used(rules: Rules, axis_sizes: dict[str, int]) -> None:
                 f"'{axis}' or set mesh.{axis}=1")
 
 
+def rule_sets() -> list[str]:
+    """Names of the shipped rule sets: every ``*.yaml`` in ``sharding_rules/`` (checkout or package)."""
+    return sorted({p.stem for root in resource_roots("sharding_rules") if root.is_dir() for p in root.glob("*.yaml")})
+
+
 def _first_free(cands: list[Candidate], used: dict[str, int]):
     for cand in cands:
         if cand is None or not used.keys() & set(cand):
@@ -203,52 +228,3 @@ def tree_shardings(rules: Rules, mesh: Mesh, shapes: Any, logical: Any) -> Any:
     out = [NamedSharding(mesh, rules.spec(path_str(path), names, leaf.shape, mesh))
            for (path, leaf), names in zip(flat_shapes, flat_logical)]
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shapes), out)
-
-
-# ------------------------------------------------------------------ activations
-
-_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("jaxtrain_activation_sharding", default=None)
-
-
-@contextlib.contextmanager
-def activation_sharding(rules: Rules, mesh: Mesh):
-    """While tracing inside this context, :func:`constrain` applies ``rules`` on ``mesh``."""
-    token = _ACTIVE.set((rules, mesh))
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
-
-
-def constrain(x: jax.Array, *logical: Optional[str]) -> jax.Array:
-    """Sharding constraint by logical names, e.g. ``constrain(h, 'batch', 'length', 'embed')``.
-
-    A no-op when no :func:`activation_sharding` context is active (plain
-    single-device use of the model). Raises ShardingError like :meth:`Rules.spec`.
-    """
-    active = _ACTIVE.get()
-    if active is None:
-        return x
-    rules, mesh = active
-    spec = rules.spec(f"activation{logical}", logical, x.shape, mesh)
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
-
-
-def active_sharding() -> Optional[tuple[Rules, Mesh]]:
-    """(rules, mesh) of the enclosing :func:`activation_sharding` context, or None.
-
-    For kernels that must run under ``shard_map`` (ring attention); model code never calls it.
-    """
-    return _ACTIVE.get()
-
-
-def devices_along(shape: Sequence[int], logical: Sequence[Optional[str]], dim: int) -> int:
-    """How many devices the active rules split dimension ``dim`` of an activation over (1 outside
-    :func:`activation_sharding`). Lets model code pick an algorithm without naming the mesh."""
-    active = _ACTIVE.get()
-    if active is None:
-        return 1
-    rules, mesh = active
-    axes = rules.spec(f"activation{tuple(logical)}", logical, shape, mesh)[dim]
-    axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
-    return math.prod(mesh.shape[a] for a in axes)

@@ -1,0 +1,90 @@
+"""``python -m jaxtrain.explain --config X [--devices N] [key=value ...]``: one candidate, in detail.
+
+Prints, for the config's own mesh and rule set (``mesh.*``, ``sharding.rules``):
+  * per parameter: shape, logical axes, PartitionSpec, the optimizer-state PartitionSpec
+    when it differs (zero1), and bytes per device;
+  * the per-device memory report (jaxtrain.memory);
+  * the collectives of the compiled train step (jaxtrain.collectives): kind, result
+    shape, executions per step, bytes per step, and the JAX operation they came from.
+Like ``jaxtrain.plan`` it goes through the run setup of training (``jaxtrain.train.setup``)
+and compiles on simulated CPU devices from abstract inputs only.
+"""
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import jax
+
+from jaxtrain.analysis import collectives, memory
+from jaxtrain.config import Config
+from jaxtrain.parallel.mesh import describe
+from jaxtrain.parallel.rules import path_str
+from jaxtrain.train.setup import setup
+
+
+def _spec(spec, ndim: int) -> str:
+    entries = list(spec) + [None] * (ndim - len(spec))
+    return "(" + ", ".join("+".join(e) if isinstance(e, tuple) else str(e) for e in entries) + ")"
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def _short_op(name: str, width: int = 72) -> str:
+    """'jit(step_fn)/while/body/closed_call/jvp()/dot_general' -> 'jvp()/dot_general'."""
+    return _clip(re.sub(r"^jit\([^)]*\)/(while/body/(closed_call/)?)?", "", name) or "-", width)
+
+
+def _fmt_table(head: list[str], rows: list[list[str]], right: set[int] = frozenset()) -> str:
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    line = lambda r: "  ".join(x.rjust(w) if i in right else x.ljust(w)  # noqa: E731
+                               for i, (x, w) in enumerate(zip(r, widths))).rstrip()
+    return "\n".join([line(head), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def explain(cfg: Config, devices, vocab: Optional[int] = None, top: int = 25,
+            budget: Optional[int] = None) -> str:
+    """The report as text (``budget``: per-device bytes the compiled peak is compared with).
+
+    Raises ConfigError / ShardingError / DataError like training would.
+    """
+    s = setup(cfg, devices, vocab=vocab)
+    compiled, abstract = s.compile_abstract()
+    axes = {path_str(p): a for p, a in jax.tree_util.tree_flatten_with_path(
+        s.fns.param_axes, is_leaf=lambda x: isinstance(x, tuple))[0]}
+    mu = s.fns.state_shardings["opt_state"][1][0].mu  # AdamW first moment: the optimizer's layout
+    opt_specs = {path_str(p): sh.spec for p, sh in jax.tree_util.tree_flatten_with_path(
+        mu, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))[0]}
+    rows = []
+    for p, x in jax.tree_util.tree_flatten_with_path(abstract["params"])[0]:
+        name = path_str(p)
+        spec = _spec(x.sharding.spec, x.ndim)
+        ospec = _spec(opt_specs[name], x.ndim)
+        rows.append([name, "x".join(map(str, x.shape)), "(" + ", ".join(map(str, axes[name])) + ")", spec,
+                     "" if ospec == spec else ospec, memory.fmt_bytes(memory.shard_bytes(x))])
+    out = [f"mesh {describe(s.mesh)} | rules {s.rules.name} | model {s.spec.name} | batch "
+           f"{_spec(s.fns.batch_sharding.spec, 2)} [accum, micro, ...]", "",
+           _fmt_table(["parameter", "shape", "logical axes", "PartitionSpec", "optimizer state", "bytes/device"],
+                      rows, right={5}), ""]
+    report = memory.state_report(abstract, s.fns.state_shardings, compiled)
+    out.append(report.summary())
+    if budget is not None:
+        fits = "within" if report.compiled["peak"] <= budget else "OVER"
+        out.append(f"peak {memory.fmt_bytes(report.compiled['peak'])}: {fits} --device-memory "
+                   f"{memory.fmt_bytes(budget)}")
+    if s.rules.fallbacks:
+        out += ["", "replicated by sharding.allow_fallback:", *[f"  {f}" for f in s.rules.fallbacks]]
+    found = sorted(collectives.parse(compiled.as_text()), key=lambda c: -c.bytes * c.count)
+    total = collectives.totals(found)
+    out += ["", "collectives per step (bytes per device): " +
+            ", ".join(f"{k} {memory.fmt_bytes(v)}" for k, v in total.items())]
+    if found:
+        crow = [[c.kind, _clip(re.sub(r"\{[^}]*\}", "", c.shape), 48), str(c.count),
+                 memory.fmt_bytes(c.bytes * c.count),
+                 _short_op(c.op_name)] for c in found[:top]]
+        out += ["", _fmt_table(["kind", "result", "x/step", "bytes/step", "from"], crow, right={2, 3})]
+        if len(found) > top:
+            out.append(f"... {len(found) - top} more")
+    return "\n".join(out)

@@ -1,0 +1,176 @@
+"""``python -m jaxtrain.plan --config X --devices N``: rank meshes x rule sets by compiling them.
+
+For every rule set and every factorization of N devices over the mesh axes that rule set
+shards over (the axes its rules name, plus ``data``; other axes stay 1), the planner
+  1. checks the config against the mesh (batch and heads divisibility: ConfigError),
+  2. resolves every parameter and optimizer-state sharding (ShardingError),
+  3. traces the train step on abstract inputs (activation shardings: ShardingError),
+  4. AOT-compiles it for N simulated CPU devices: ``jax.jit(step).lower(ShapeDtypeStructs
+     with shardings).compile()``. Nothing is allocated or trained.
+A candidate whose parameter and optimizer shardings equal an earlier one's (ignoring mesh
+axes of size 1) is the same program and is skipped. Each compiled candidate reports per-
+device peak, parameter and optimizer bytes (jaxtrain.memory) and bytes per step for each
+collective kind (jaxtrain.collectives). Rows are ranked: within the ``--device-memory``
+budget first, then fewest collective bytes per step, then lowest peak.
+
+Every candidate goes through the same run setup as training (``jaxtrain.train.setup``).
+The command line (``jaxtrain.cli.plan``) forces the CPU platform and N host devices before
+JAX starts its backend (importing jax does not start it; the first device query does).
+"""
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import jax
+
+from jaxtrain.analysis import collectives, memory
+from jaxtrain.config import MESH_AXES, Config, ConfigError
+from jaxtrain.parallel.rules import Rules, ShardingError, rule_sets as shipped_rule_sets
+from jaxtrain.train.setup import setup, vocab_for
+
+
+@dataclass
+class Candidate:
+    """One (rule set, mesh) pair and what the planner found out about it."""
+
+    rules: str
+    mesh: dict[str, int]
+    status: str = "pending"  # compiled | rejected | duplicate
+    reason: str = ""  # why rejected / which candidate it duplicates
+    memory: object = None  # jaxtrain.memory.MemoryReport
+    collectives: dict[str, int] = field(default_factory=dict)  # kind -> bytes per device per step
+    compile_s: float = 0.0
+    fits: Optional[bool] = None  # peak <= --device-memory (None: no budget given)
+
+    @property
+    def mesh_str(self) -> str:
+        return ",".join(str(self.mesh[a]) for a in MESH_AXES)
+
+    @property
+    def comm_bytes(self) -> int:
+        return sum(self.collectives.values())
+
+
+def factorizations(n: int, k: int = len(MESH_AXES)) -> list[tuple[int, ...]]:
+    """Ordered k-tuples of positive integers whose product is n: 8, k=2 -> (1,8), (2,4), (4,2), (8,1)."""
+    if k == 1:
+        return [(n,)]
+    return [(d, *rest) for d in range(1, n + 1) if n % d == 0 for rest in factorizations(n // d, k - 1)]
+
+
+def enumerate_candidates(n: int, rule_sets: Sequence[str]) -> list[Candidate]:
+    """Every rule set crossed with the factorizations of n over the axes it uses."""
+    out = []
+    for name in rule_sets:
+        axes = Rules.load(name).mesh_axes() | {"data"}
+        free = [a for a in MESH_AXES if a in axes]
+        for sizes in factorizations(n, len(free)):
+            mesh = dict.fromkeys(MESH_AXES, 1)
+            mesh.update(zip(free, sizes))
+            out.append(Candidate(name, mesh))
+    return out
+
+
+def _strip(spec, mesh) -> tuple:
+    """A PartitionSpec without the mesh axes of size 1 (they do not split anything)."""
+    out = []
+    for entry in spec:
+        axes = entry if isinstance(entry, tuple) else (entry,) if entry else ()
+        out.append(tuple(a for a in axes if mesh.shape[a] > 1))
+    while out and not out[-1]:
+        out.pop()
+    return tuple(out)
+
+
+def evaluate(cand: Candidate, cfg: Config, vocab: int, devices, seen: dict, budget: Optional[int],
+             allow_fallback: bool = False) -> Candidate:
+    """Runs steps 1-4 of the module docstring for one candidate, filling in its fields."""
+    sharding = cfg.sharding.model_copy(update={"rules": cand.rules, "allow_fallback": allow_fallback})
+    cfg = cfg.model_copy(update={"mesh": cfg.mesh.model_copy(update=cand.mesh), "sharding": sharding})
+    try:
+        s = setup(cfg, devices, vocab=vocab)
+    except (ConfigError, ShardingError) as err:
+        cand.status, cand.reason = "rejected", str(err)
+        return cand
+    key = (cand.mesh_str, tuple(_strip(x.spec, s.mesh) for x in jax.tree_util.tree_leaves(
+        s.fns.state_shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))))
+    if key in seen:
+        cand.status, cand.reason = "duplicate", f"same shardings as {seen[key]}"
+        return cand
+    seen[key] = f"{cand.rules} {cand.mesh_str}"
+    t0 = time.perf_counter()
+    try:
+        compiled, abstract = s.compile_abstract()
+    except ShardingError as err:
+        cand.status, cand.reason = "rejected", str(err)
+        return cand
+    cand.compile_s = time.perf_counter() - t0
+    cand.memory = memory.state_report(abstract, s.fns.state_shardings, compiled)
+    cand.collectives = collectives.totals(collectives.parse(compiled.as_text()))
+    cand.status = "compiled"
+    if s.rules.fallbacks:
+        cand.reason = f"replicated {len(s.rules.fallbacks)} indivisible dims (allow_fallback)"
+    if budget is not None:
+        cand.fits = cand.memory.compiled["peak"] <= budget
+    return cand
+
+
+def rank(cands: list[Candidate]) -> list[Candidate]:
+    done = [c for c in cands if c.status == "compiled"]
+    return sorted(done, key=lambda c: (c.fits is False, c.comm_bytes, c.memory.compiled["peak"]))
+
+
+def table(cands: list[Candidate], budget: Optional[int]) -> str:
+    """The ranked table as fixed-width text (bytes in binary units, per device)."""
+    short = {"all-gather": "all-gather", "reduce-scatter": "reduce-scat", "all-reduce": "all-reduce",
+             "all-to-all": "all-to-all", "collective-permute": "coll-perm"}
+    head = ["#", "rules", "mesh d,f,t,s,e", "peak", "params", "optimizer",
+            *[short[k] for k in collectives.KINDS], "compile s"]
+    rows = []
+    for i, c in enumerate(rank(cands), 1):
+        m = c.memory
+        mark = " OVER" if c.fits is False else ""
+        fmt = memory.fmt_bytes
+        rows.append([str(i), c.rules, c.mesh_str, fmt(m.compiled["peak"]) + mark, fmt(m.params), fmt(m.opt_state),
+                     *[fmt(c.collectives[k]) for k in collectives.KINDS], f"{c.compile_s:.1f}"])
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    line = lambda r: "  ".join(x.rjust(w) if i not in (1, 2) else x.ljust(w)  # noqa: E731
+                               for i, (x, w) in enumerate(zip(r, widths)))
+    out = [line(head), line(["-" * w for w in widths]), *map(line, rows)]
+    if budget is not None:
+        out.append(f"OVER: peak above --device-memory {memory.fmt_bytes(budget)}")
+    return "\n".join(out)
+
+
+def plan(cfg: Config, n_devices: int, rule_sets: Optional[Sequence[str]] = None, budget: Optional[int] = None,
+         vocab: Optional[int] = None, allow_fallback: bool = False, log=None) -> list[Candidate]:
+    """Evaluates every candidate on the first ``n_devices`` CPU devices; returns all of them.
+
+    ``rule_sets`` defaults to every shipped one (``sharding_rules/*.yaml``).
+
+    Raises:
+      ConfigError: fewer than ``n_devices`` CPU devices, or the vocabulary cannot be known.
+    """
+    devices = jax.devices("cpu")
+    if len(devices) < n_devices:
+        raise ConfigError(f"--devices: {n_devices} CPU devices requested but this process has {len(devices)} "
+                          f"(run python -m jaxtrain.plan in a fresh process)")
+    vocab = vocab or vocab_for(cfg)
+    seen: dict = {}
+    cands = enumerate_candidates(n_devices, rule_sets or shipped_rule_sets())
+    for c in cands:
+        evaluate(c, cfg, vocab, devices[:n_devices], seen, budget, allow_fallback)
+        if log and c.status == "compiled":
+            log(f"compiled {c.rules:8s} {c.mesh_str} in {c.compile_s:.1f} s")
+    return cands
+
+
+def parse_bytes(text: str) -> int:
+    """'80GiB' / '80G' / '8.5e10' -> bytes (K, M, G, T are binary: 1024-based)."""
+    m = re.fullmatch(r"\s*([\d.eE+]+)\s*([KMGT]?)(i?B)?\s*", text)
+    if not m:
+        raise ConfigError(f"--device-memory: cannot read '{text}' (examples: 80GiB, 16G, 1e9)")
+    return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2) or " "))

@@ -1,0 +1,62 @@
+"""What every command line shares: config arguments, the error wrapper, the compile cache, logging."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+from typing import Callable, Optional, Sequence
+
+import jax
+
+from jaxtrain.errors import JaxtrainError
+
+
+def cli(body: Callable[[], Optional[int]]) -> int:
+    """Runs ``body``; a named error (:class:`jaxtrain.errors.JaxtrainError`) is printed as
+    ``error: <message>`` on stderr and becomes its exit code (2 for bad input). Returns the exit code."""
+    try:
+        return body() or 0
+    except JaxtrainError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return err.exit_code
+
+
+def add_config_args(parser: argparse.ArgumentParser) -> None:
+    """``--config FILE`` (or a leading positional FILE.yaml) and dotted ``key=value`` overrides."""
+    parser.add_argument("--config", help="YAML config file or a name in configs/ (default: built-in job)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides (a leading FILE.yaml is the config)")
+
+
+def config_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """Parses ``argv``; overrides may come before or after ``--config`` (MaxText-style positional file too)."""
+    args = parser.parse_intermixed_args(argv)
+    if args.overrides and "=" not in args.overrides[0] and args.overrides[0].endswith((".yaml", ".yml")):
+        if args.config:
+            parser.error("give the config file once: positional or --config")
+        args.config = args.overrides.pop(0)
+    return args
+
+
+def enable_compilation_cache() -> None:
+    """JAX's persistent compilation cache (``JAX_COMPILATION_CACHE_DIR`` or ~/.cache/jaxtrain/xla)."""
+    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser("~/.cache/jaxtrain/xla"))
+
+
+def log_to_console() -> None:
+    """Shows the library's INFO lines (e.g. which attention ``model.attention=auto`` picked) on stderr."""
+    log = logging.getLogger("jaxtrain")
+    if not log.handlers and not logging.getLogger().handlers:  # else the root's handler prints them
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+    log.setLevel(logging.INFO)
+
+
+def use_cpu_devices(n: int) -> None:
+    """Asks for n simulated CPU devices; effective only before JAX initialises its backends."""
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    jax.config.update("jax_platforms", "cpu")

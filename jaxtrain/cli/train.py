@@ -1,0 +1,38 @@
+"""``python -m jaxtrain.train [--config FILE | FILE] [key=value ...]``: train, checkpoint, resume.
+
+With no arguments it runs the built-in default job (a small Llama trained byte-level on
+this interpreter's standard library). Rerunning a command with the same ``run.dir``
+resumes from the latest committed checkpoint. Exit codes: 0 done (or stopped cleanly by
+SIGTERM/SIGINT), 2 bad input, 3 too many non-finite steps, 75 preemption grace expired.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+from jaxtrain.cli.common import add_config_args, cli, config_args, enable_compilation_cache, log_to_console
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxtrain.train",
+        description="Train a model. Overrides are dotted key=value pairs, e.g. train.steps=100 mesh.fsdp=8.")
+    add_config_args(parser)
+    return config_args(parser, argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    enable_compilation_cache()
+    log_to_console()
+
+    def body() -> None:
+        from jaxtrain.config import load
+        from jaxtrain.train import fit
+        fit(load(args.config, args.overrides))
+    return cli(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""Value checks of a Config: without devices (on every validation) and against the resolved mesh.
+
+Every failure is a :class:`ConfigError` whose message starts with the dotted key. The
+``model:`` section checks itself (``ModelConfig.check`` / ``check_against_mesh`` of its family).
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Optional
+
+from jaxtrain.config.schema import MESH_AXES, SINKS, ConfigError, MeshConfig, OptimizerConfig
+
+if TYPE_CHECKING:
+    from jaxtrain.config.schema import Config
+
+
+def positive(key: str, value: int | float) -> None:
+    """Raises ConfigError naming ``key`` unless ``value > 0``."""
+    if value <= 0:
+        raise ConfigError(f"{key}: must be > 0, got {value}")
+
+
+def check_consistency(cfg: "Config") -> None:
+    """Value checks that need no devices. Raises ConfigError naming the key."""
+    t = cfg.train
+    for key in ("steps", "global_batch", "grad_accum", "log_every", "eval_every", "eval_batches"):
+        positive(f"train.{key}", getattr(t, key))
+    positive("data.seq_len", cfg.data.seq_len)
+    positive("profile.start_step", cfg.profile.start_step)
+    if cfg.profile.steps < 0:
+        raise ConfigError(f"profile.steps: must be >= 0 (0 = no trace), got {cfg.profile.steps}")
+    c = cfg.checkpoint
+    positive("checkpoint.every", c.every)
+    positive("checkpoint.keep", c.keep)
+    for key in ("every_seconds", "keep_period", "grace_period_s"):
+        if getattr(c, key) is not None:
+            positive(f"checkpoint.{key}", getattr(c, key))
+    if c.keep_best < 0:
+        raise ConfigError(f"checkpoint.keep_best: must be >= 0, got {c.keep_best}")
+    if t.max_nonfinite_steps < 1:
+        raise ConfigError(f"train.max_nonfinite_steps: must be >= 1, got {t.max_nonfinite_steps}")
+    if t.global_batch % t.grad_accum:
+        raise ConfigError(
+            f"train.global_batch: {t.global_batch} is not divisible by train.grad_accum={t.grad_accum}")
+    _check_data(cfg)
+    _check_optimizer(cfg.optimizer)
+    if t.sample_tokens < 0:
+        raise ConfigError(f"train.sample_tokens: must be >= 0, got {t.sample_tokens}")
+    if t.peak_tflops is not None and not 0 < t.peak_tflops < math.inf:
+        raise ConfigError(f"train.peak_tflops: must be a positive number, got {t.peak_tflops}")
+    if not cfg.run.dir.strip():
+        raise ConfigError("run.dir: must not be empty")
+    sizes = [getattr(cfg.mesh, a) for a in MESH_AXES]
+    if sum(s == -1 for s in sizes) > 1:
+        raise ConfigError("mesh: at most one axis may be -1, got " + _mesh_str(cfg.mesh))
+    for a, s in zip(MESH_AXES, sizes):
+        if s == 0 or s < -1:
+            raise ConfigError(f"mesh.{a}: must be a positive size or -1, got {s}")
+    unknown = [s for s in cfg.metrics.sinks if s not in SINKS]
+    if unknown:
+        raise ConfigError(f"metrics.sinks: unknown sink '{unknown[0]}' (known: {', '.join(SINKS)})")
+    cfg.model.check(cfg)
+
+
+def _check_data(cfg: "Config") -> None:
+    d = cfg.data
+    if not 0.0 < d.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction: must be in (0, 1), got {d.val_fraction}")
+    if d.mixture and d.mode == "windows":
+        raise ConfigError("data.mixture: needs data.mode=packed or padded (windows reads one data.path)")
+    for key, w in d.mixture.items():
+        if w <= 0:
+            raise ConfigError(f"data.mixture: weight of '{key}' must be > 0, got {w}")
+    if d.tokenizer in ("hf", "sentencepiece") and not d.tokenizer_path:
+        raise ConfigError(f"data.tokenizer_path: data.tokenizer={d.tokenizer} needs a local tokenizer file")
+    if (d.add_bos or d.add_eos) and d.mode == "windows":
+        raise ConfigError("data.add_bos: BOS/EOS are added per document: use data.mode=packed or padded")
+
+
+def _check_optimizer(o: OptimizerConfig) -> None:
+    for key in ("lr", "min_lr", "b1", "b2", "eps", "weight_decay", "clip_norm"):
+        if not math.isfinite(getattr(o, key)):
+            raise ConfigError(f"optimizer.{key}: must be finite, got {getattr(o, key)}")
+    positive("optimizer.lr", o.lr)
+    positive("optimizer.eps", o.eps)
+    positive("optimizer.clip_norm", o.clip_norm)
+    if not 0 <= o.min_lr <= o.lr:
+        raise ConfigError(f"optimizer.min_lr: must be in [0, optimizer.lr={o.lr}], got {o.min_lr}")
+    for key in ("b1", "b2"):
+        if not 0 <= getattr(o, key) < 1:
+            raise ConfigError(f"optimizer.{key}: must be in [0, 1), got {getattr(o, key)}")
+    if o.weight_decay < 0:
+        raise ConfigError(f"optimizer.weight_decay: must be >= 0, got {o.weight_decay}")
+    if o.warmup_steps < 0:
+        raise ConfigError(f"optimizer.warmup_steps: must be >= 0, got {o.warmup_steps}")
+    if o.decay_steps is not None and o.decay_steps <= o.warmup_steps:
+        raise ConfigError(f"optimizer.decay_steps: must be > optimizer.warmup_steps={o.warmup_steps}, "
+                          f"got {o.decay_steps}")
+
+
+def _mesh_str(mesh: MeshConfig) -> str:
+    return ", ".join(f"{a}={getattr(mesh, a)}" for a in MESH_AXES)
+
+
+def check_against_mesh(cfg: "Config", axis_sizes: dict[str, int], platform: Optional[str] = None) -> None:
+    """Checks that need the resolved mesh sizes (still before any compile).
+
+    Raises:
+      ConfigError: the micro-batch not divisible by the batch axes (data*fsdp*expert), or a
+        check of the model family (e.g. heads not divisible by the tensor axis, an attention
+        implementation that cannot run on ``platform``, the devices' platform).
+    """
+    batch_div = axis_sizes["data"] * axis_sizes["fsdp"] * axis_sizes["expert"]
+    if cfg.micro_batch % batch_div:
+        raise ConfigError(
+            f"train.global_batch: micro-batch {cfg.micro_batch} (global_batch {cfg.train.global_batch} / "
+            f"grad_accum {cfg.train.grad_accum}) is not divisible by data*fsdp*expert = "
+            f"{axis_sizes['data']}*{axis_sizes['fsdp']}*{axis_sizes['expert']} = {batch_div}")
+    cfg.model.check_against_mesh(cfg, axis_sizes, platform)

@@ -1,0 +1,1 @@
+"""Worked examples of the generic trainer (``jaxtrain.fit`` with a ModelSpec)."""

@@ -1,0 +1,12 @@
+"""Training: the one run setup (``setup``), the step (``step``, ``optimizer``), the loop and its
+hooks (``loop``, ``hooks``), and ``fit`` (``fit``), which ties them together.
+
+``python -m jaxtrain.train`` is the command line (``jaxtrain.cli.train``).
+"""
+from jaxtrain.train.fit import fit
+from jaxtrain.train.hooks import NonFiniteError
+from jaxtrain.train.loop import Hook, RunResult
+from jaxtrain.train.setup import Setup, setup
+from jaxtrain.train.spec import ModelSpec
+
+__all__ = ["Hook", "ModelSpec", "NonFiniteError", "RunResult", "Setup", "fit", "setup"]

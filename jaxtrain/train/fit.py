@@ -1,0 +1,136 @@
+"""``fit``: train a config's model family, or any Flax NNX model, on the config's mesh and rules.
+
+Everything is validated before anything is written or compiled (``jaxtrain.train.setup``).
+Rerunning with the same ``run.dir`` resumes from the latest committed checkpoint: model,
+optimizer, step, RNG and data position.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxtrain.checkpoint.checkpointer import Checkpointer, CheckpointError
+from jaxtrain.config import Config
+from jaxtrain.data import tokenizers
+from jaxtrain.metrics import flops
+from jaxtrain.metrics.console import Reporter, format_flops
+from jaxtrain.metrics.profile import StepProfiler
+from jaxtrain.metrics.sinks import Sinks
+from jaxtrain.parallel.mesh import describe
+from jaxtrain.train import hooks as H, rundir
+from jaxtrain.train.loop import Hook, Loop, RunResult, train_loop
+from jaxtrain.train.setup import Setup, setup
+from jaxtrain.train.spec import ModelSpec
+from jaxtrain.train.step import count_params
+
+
+def fit(cfg: Config, spec: Optional[ModelSpec] = None, data: Any = None, *,
+        devices: Optional[Sequence[jax.Device]] = None, quiet: bool = False, hooks: Sequence[Hook] = ()) -> RunResult:
+    """Trains ``cfg`` on ``devices`` (default: all) and returns what happened.
+
+    Args:
+      cfg: the run config (mesh, rules, optimizer, train, checkpoint, run, metrics, ...).
+      spec: any Flax NNX model and its loss (``model.family: custom``); None trains the
+        config's registered family on ``cfg.data``.
+      data: the data source of ``spec``: an object with ``iterator(sharding)``, ``val``,
+        ``info`` and ``tokenizer`` (e.g. :class:`jaxtrain.data.ArrayData`).
+      quiet: no progress bar (lines are still printed).
+      hooks: extra loop hooks, run after the built-in ones.
+
+    Raises:
+      ConfigError, DataError, ShardingError, CheckpointError: bad input, before anything is
+        compiled or written. NonFiniteError: too many non-finite steps in a row.
+    """
+    if spec is not None and data is None:
+        raise ValueError("fit: a ModelSpec needs its data source (e.g. jaxtrain.data.ArrayData)")
+    s = setup(cfg, devices, spec=spec, data=data, load_data=True, run_dir=Path(cfg.run.dir).expanduser())
+    run_dir = rundir.prepare(cfg, write_config=False)
+    lock = rundir.RunLock(run_dir, enabled=jax.process_index() == 0)
+    try:
+        return _fit(s, run_dir, quiet, hooks)
+    finally:
+        lock.release()
+
+
+def _fit(s: Setup, run_dir: Path, quiet: bool, extra: Sequence[Hook]) -> RunResult:
+    cfg, data = s.cfg, s.data
+    out = Reporter(quiet=quiet or not cfg.run.progress, total=cfg.train.steps)
+    if data.tokenizer is not None:
+        tokenizers.save(data.tokenizer, run_dir)
+    for line in data.info:
+        out.info(line)
+    sinks = Sinks(cfg, run_dir, out, s.spec.unit)
+    result = RunResult(run_dir=run_dir)
+    loop: Optional[Loop] = None
+
+    def on_checkpoint(row: dict) -> None:  # committed or failed saves, reported by the checkpointer
+        loop.record(row.pop("step"), row)
+
+    ckpt = Checkpointer(cfg, run_dir, dict(s.mesh.shape), on_checkpoint) if cfg.checkpoint.enabled else None
+    try:
+        if ckpt and ckpt.removed:
+            out.info(f"removed uncommitted checkpoint directories: {', '.join(ckpt.removed)}")
+        batches = data.iterator(s.fns.batch_sharding)
+        state = resume(s, ckpt, batches, run_dir, out)
+        result.start_step = start = int(jax.device_get(state["step"]))
+        rundir.write_config_file(cfg, run_dir)  # only now: a failed resume leaves the old config.yaml
+        sinks.drop_after(start)
+        if start >= cfg.train.steps:
+            out.info(f"checkpoint step {start} >= train.steps={cfg.train.steps}: nothing to train "
+                     f"(raise train.steps to continue)")
+        val = jax.device_put(data.val, NamedSharding(s.mesh, P(None, *s.fns.batch_sharding.spec[1:])))
+        peak, peak_src = flops.total_peak_flops(cfg, s.devices)
+        out.info(describe_run(s, state, peak, peak_src))
+        loop = Loop(s, state, batches, val, sinks, out, result, start)
+        hooks = [H.CompileReport(), H.NonFiniteGuard(ckpt), H.LogMetrics(peak), H.Evaluate(),
+                 *([H.Checkpointing(ckpt)] if ckpt else []), H.Profile(StepProfiler(cfg, run_dir)), H.Progress()]
+        if data.tokenizer is not None:
+            hooks.append(H.Sample(data.tokenizer, getattr(data, "bos_id", None)))
+        train_loop(loop, [*hooks, *extra])
+    finally:
+        sinks.close()
+    return result
+
+
+def resume(s: Setup, ckpt: Optional[Checkpointer], batches, run_dir: Path, out: Reporter) -> dict:
+    """The latest committed checkpoint's state (and data position, set on ``batches``), or a fresh state.
+
+    Raises:
+      CheckpointError: the checkpoint does not fit the config; the message ends with the
+        model keys changed since it was saved.
+    """
+    latest = ckpt.latest_step() if ckpt else None
+    if latest is None:
+        out.info(f"run directory: {run_dir}")
+        return s.fns.init()
+    shape_keys, notes = rundir.resume_changes(s.cfg, run_dir)
+    for note in notes:
+        out.info(f"[yellow]note:[/] {note}")
+    try:
+        state, data_state = ckpt.restore(latest, s.abstract_state())
+    except CheckpointError as err:
+        if not shape_keys:
+            raise
+        raise CheckpointError(f"{err}\nconfig keys changed since the checkpoint (use a new run.dir "
+                              f"or the saved values):\n  " + "\n  ".join(shape_keys)) from err
+    if data_state:  # empty for an imported checkpoint (jaxtrain.export --import)
+        batches.set_state(data_state)
+    saved_mesh = ckpt.saved_mesh(latest)
+    resharded = f" (resharded from mesh {saved_mesh})" if saved_mesh and saved_mesh != dict(s.mesh.shape) else ""
+    out.info(f"resumed from {ckpt.store.url}/{latest}{resharded}")
+    return state
+
+
+def describe_run(s: Setup, state: dict, peak: Optional[float], peak_src: str) -> str:
+    """One line: mesh, rules, model, parameters, (vocabulary,) FLOPs per unit and the peak."""
+    spec = s.spec
+    parts = [f"mesh {describe(s.mesh)}", f"rules {s.rules.name}", f"model {spec.name}",
+             f"params {count_params(state['params']) / 1e6:.2f}M"]
+    if getattr(s.model_config, "vocab_size", None):
+        parts.append(f"vocab {s.model_config.vocab_size}")
+    if spec.flops_per_unit:
+        parts.append(f"{spec.flops_per_unit / 1e6:.1f} MFLOP/{spec.unit.rstrip('s')}")
+    return " | ".join(parts + [f"peak {format_flops(peak)} ({peak_src})"])

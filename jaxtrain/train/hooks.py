@@ -1,0 +1,200 @@
+"""The loop's hooks: each one concern of a run that is not the train step itself.
+
+``default_hooks`` gives the order they run in after every step: the non-finite guard
+(which may stop the run), the metrics row, evaluation, checkpointing (which may need that
+evaluation), the profiler, the progress bar.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import jax
+import numpy as np
+
+from jaxtrain.analysis import memory
+from jaxtrain.checkpoint.checkpointer import Checkpointer
+from jaxtrain.errors import JaxtrainError
+from jaxtrain.metrics import flops
+from jaxtrain.metrics.profile import StepProfiler
+from jaxtrain.train.loop import Hook, Loop
+from jaxtrain.train.sample import generate
+
+
+class NonFiniteError(JaxtrainError):
+    """``train.max_nonfinite_steps`` steps in a row had a non-finite loss or gradient."""
+
+    exit_code = 3
+
+
+class CompileReport(Hook):
+    """After compiling: the compile time, per-device memory, and what ``allow_fallback`` replicated."""
+
+    def on_compile(self, loop: Loop, compiled: Any, seconds: float) -> None:
+        loop.out.info(f"compiled train step in {seconds:.1f} s")
+        loop.out.info(memory.state_report(loop.state, loop.setup.fns.state_shardings, compiled).summary())
+        if loop.setup.rules.fallbacks:  # after tracing, so activation fallbacks are listed too
+            loop.out.warn_table("sharding.allow_fallback replicated these dimensions", loop.setup.rules.fallbacks)
+
+
+class NonFiniteGuard(Hook):
+    """Counts skipped (non-finite) steps; raises NonFiniteError after ``train.max_nonfinite_steps`` in a row.
+
+    A step's flag is read one step late, so the host never waits on the step just dispatched.
+    """
+
+    def __init__(self, ckpt: Optional[Checkpointer]):
+        self.ckpt, self.in_a_row, self.pending = ckpt, 0, None
+
+    def after_step(self, loop: Loop, step: int, metrics: dict) -> None:
+        if self.pending is not None:
+            self._count(loop, int(self.pending), step - 1)
+        self.pending = loop.uncounted_flag = metrics["nonfinite"]
+        if loop.is_last(step):
+            self._count(loop, int(self.pending), step)
+            self.pending = loop.uncounted_flag = None
+
+    def _count(self, loop: Loop, flag: int, step: int) -> None:
+        if not flag:
+            self.in_a_row = 0
+            return
+        loop.result.nonfinite_steps += 1
+        self.in_a_row += 1
+        limit = loop.cfg.train.max_nonfinite_steps
+        if self.in_a_row >= limit:
+            last = None
+            if self.ckpt:
+                self.ckpt.wait()  # a save already started holds unchanged params: let it commit
+                last = self.ckpt.latest_step()
+            where = f"step {last} in {self.ckpt.store.url}" if last is not None else "none (no checkpoint saved)"
+            raise NonFiniteError(
+                f"train.max_nonfinite_steps: {self.in_a_row} steps in a row (steps {step - self.in_a_row + 1}.."
+                f"{step}) had a non-finite loss or gradient and were skipped; stopping. The last good checkpoint "
+                f"is {where}")
+
+
+class LogMetrics(Hook):
+    """Every ``train.log_every`` steps (and the last): one train row, the loop's only host sync.
+
+    ``step_time_s`` is the mean wall time per step since the previous row; ``<unit>_per_sec``
+    and ``mfu`` follow from it (``jaxtrain.metrics.flops``).
+    """
+
+    def __init__(self, peak: Optional[float]):
+        self.peak, self.t_last, self.s_last = peak, time.perf_counter(), 0
+
+    def on_start(self, loop: Loop) -> None:
+        self.s_last = loop.start
+
+    def on_compile(self, loop: Loop, compiled: Any, seconds: float) -> None:
+        self.t_last = time.perf_counter()
+
+    def after_step(self, loop: Loop, step: int, metrics: dict) -> None:
+        if step % loop.cfg.train.log_every and not loop.is_last(step):
+            return
+        m = jax.device_get(metrics)
+        now = time.perf_counter()
+        spec, t = loop.setup.spec, loop.cfg.train
+        dt = (now - self.t_last) / (step - self.s_last)
+        rate = t.global_batch * spec.units_per_example / dt
+        skipped = loop.result.nonfinite_steps + (int(m["nonfinite"]) if loop.uncounted_flag is not None else 0)
+        row = {"loss": float(m.pop("loss")), "lr": float(m.pop("lr")), "grad_norm": float(m.pop("grad_norm")),
+               f"{spec.unit}_per_sec": rate, "step_time_s": dt, "mfu": flops.mfu(rate, spec.flops_per_unit, self.peak),
+               "nonfinite_steps": skipped}
+        m.pop("nonfinite")
+        row.update({k: float(v) for k, v in m.items()})  # the loss's own metrics (aux)
+        loop.record(step, row)
+        self.t_last, self.s_last = time.perf_counter(), step
+
+
+class Evaluate(Hook):
+    """Every ``train.eval_every`` steps and at the last step; at the end, the final validation loss."""
+
+    def after_step(self, loop: Loop, step: int, metrics: dict) -> None:
+        if step % loop.cfg.train.eval_every == 0 or step == loop.cfg.train.steps:
+            loop.evaluate(step)
+
+    def on_end(self, loop: Loop, ok: bool) -> None:
+        if not ok or loop.result.preempted:
+            return
+        last = loop.last_eval or loop.evaluate(loop.start, record=False)  # nothing trained: evaluate as is
+        loop.result.val_loss = last["val_loss"]
+        n = next(iter(loop.val.values())).shape[0]
+        loop.out.info(f"validation loss {loop.result.val_loss:.4f} (mean over {n} batches)")
+
+
+class Checkpointing(Hook):
+    """Saves when due (``checkpoint.every``, ``every_seconds``, the last step, a stop request);
+    commits finished saves; keeps the best K by an eval metric (evaluating first if needed)."""
+
+    def __init__(self, ckpt: Checkpointer):
+        self.ckpt = ckpt
+
+    def after_step(self, loop: Loop, step: int, metrics: dict) -> None:
+        ckpt = self.ckpt
+        if loop.stopping or ckpt.due(step, final=step == loop.cfg.train.steps):
+            if loop.cfg.checkpoint.keep_best and loop.last_eval.get("step") != step:
+                loop.evaluate(step)  # best-K needs this step's metric
+            at_step = loop.last_eval.get("step") == step
+            ckpt.save(step, loop.state, loop.batches.get_state(),
+                      {k: v for k, v in loop.last_eval.items() if k != "step"} if at_step else {})
+        ckpt.poll()
+        if loop.stopping:
+            ckpt.wait()
+        loop.committed = ckpt.latest_step() if loop.stopping else loop.committed
+
+    def on_end(self, loop: Loop, ok: bool) -> None:
+        if ok:
+            self.ckpt.close()
+
+
+class Profile(Hook):
+    """``profile.start_step`` / ``profile.steps``: a jax.profiler trace of those steps in the run dir."""
+
+    def __init__(self, profiler: StepProfiler):
+        self.profiler = profiler
+
+    def before_step(self, loop: Loop, step: int) -> None:
+        self.profiler.before(step)
+
+    def after_step(self, loop: Loop, step: int, metrics: dict) -> None:
+        self.profiler.after(step, metrics)
+
+    def on_end(self, loop: Loop, ok: bool) -> None:
+        self.profiler.stop()
+
+
+class Progress(Hook):
+    """The rich progress bar (``run.progress``; off when quiet)."""
+
+    def on_start(self, loop: Loop) -> None:
+        self._bar = loop.out.progress(loop.start)
+        self._bar.__enter__()
+
+    def after_step(self, loop: Loop, step: int, metrics: dict) -> None:
+        loop.out.advance(step)
+
+    def on_end(self, loop: Loop, ok: bool) -> None:
+        if hasattr(self, "_bar"):
+            self._bar.__exit__(None, None, None)
+
+
+class Sample(Hook):
+    """At the end of a language model's run: ``train.sample_tokens`` tokens after ``train.sample_prompt``."""
+
+    def __init__(self, tokenizer, bos_id: Optional[int]):
+        self.tokenizer, self.bos_id = tokenizer, bos_id
+
+    def on_end(self, loop: Loop, ok: bool) -> None:
+        if not ok or loop.result.preempted:
+            return
+        t, tok = loop.cfg.train, self.tokenizer
+        prompt = tok.encode(t.sample_prompt)
+        if self.bos_id is not None:
+            prompt = np.concatenate([[self.bos_id], prompt]).astype(np.int32)
+        unk = getattr(tok, "unk", None)
+        ids = generate(loop.setup.fns.apply, loop.state["params"], prompt, t.sample_tokens, loop.cfg.data.seq_len,
+                       t.sample_temperature, t.seed, banned=() if unk is None else (unk,),
+                       vocab_limit=tok.vocab_size)
+        loop.result.sample = tok.decode(ids)
+        loop.out.text("sample", loop.result.sample)

@@ -1,0 +1,139 @@
+"""The training loop: take a batch, run the step, let every hook look (nanoGPT's ``train()`` shape).
+
+Everything that is not the step (logging, evaluation, checkpoints, the non-finite guard,
+profiling, the progress bar, sampling) is a :class:`Hook` in ``jaxtrain.train.hooks``;
+a new concern is a new hook, not a new branch here.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+import jax
+import numpy as np
+
+from jaxtrain.metrics.console import Reporter
+from jaxtrain.metrics.sinks import Sinks
+from jaxtrain.train import preempt
+from jaxtrain.train.setup import Setup
+
+
+@dataclass
+class RunResult:
+    """What a run did, for the caller (tests, notebooks, the CLI)."""
+
+    run_dir: Path
+    rows: list[dict] = field(default_factory=list)  # every metrics row written by this process
+    val_loss: Optional[float] = None
+    sample: str = ""
+    start_step: int = 0
+    compile_s: float = 0.0
+    preempted: str = ""  # the signal name when the run stopped early on SIGTERM/SIGINT
+    nonfinite_steps: int = 0  # steps skipped by the non-finite guard in this process
+    state: Any = None  # the final train state
+
+    @property
+    def losses(self) -> dict[int, float]:
+        return {r["step"]: r["loss"] for r in self.rows if "loss" in r}
+
+
+@dataclass
+class Loop:
+    """What the hooks share: the run, the live state, where rows go, and what happened so far."""
+
+    setup: Setup
+    state: dict
+    batches: Iterator
+    val: dict  # validation batches {field: [n, micro, ...]} on the mesh
+    sinks: Sinks
+    out: Reporter
+    result: RunResult
+    start: int
+    stopping: str = ""  # the signal's name once a stop was requested
+    last_eval: dict = field(default_factory=dict)  # {'step', 'val_loss', ...} of the latest evaluation
+    committed: Optional[int] = None  # the latest committed checkpoint step, when checkpointing
+    uncounted_flag: Any = None  # the current step's non-finite flag until the guard has counted it
+
+    @property
+    def cfg(self):
+        return self.setup.cfg
+
+    def is_last(self, step: int) -> bool:
+        """The final step of this process: ``train.steps`` or the step a stop was requested at."""
+        return step == self.cfg.train.steps or bool(self.stopping)
+
+    def record(self, step: int, values: dict) -> None:
+        self.sinks.write(step, values)
+        self.result.rows.append({"step": step, **values})
+
+    def evaluate(self, step: int, record: bool = True) -> dict:
+        """Evaluates the current params on the validation batches; returns (and records) ``{'val_<k>'}``.
+
+        Each batch's metrics are weighted by its ``weight`` (e.g. its loss-mask tokens).
+        """
+        params, eval_step = self.state["params"], self.setup.fns.eval_step
+        n = next(iter(self.val.values())).shape[0]
+        outs = jax.device_get([eval_step(params, {k: v[i] for k, v in self.val.items()}) for i in range(n)])
+        w = np.asarray([o.pop("weight") for o in outs], np.float64)
+        keys = ["loss", *sorted(k for k in outs[0] if k != "loss")]
+        row = {f"val_{k}": float(np.average([o[k] for o in outs], weights=w)) for k in keys}
+        if record:
+            self.record(step, row)
+            self.last_eval = {"step": step, **row}
+        return row
+
+
+class Hook:
+    """One concern of the loop. Every method is optional; ``loop`` is the shared :class:`Loop`."""
+
+    def on_start(self, loop: Loop) -> None:
+        """Before the first step."""
+
+    def on_compile(self, loop: Loop, compiled: Any, seconds: float) -> None:
+        """After the train step compiled (on the first batch)."""
+
+    def before_step(self, loop: Loop, step: int) -> None:
+        """Before step ``step`` is dispatched."""
+
+    def after_step(self, loop: Loop, step: int, metrics: dict) -> None:
+        """After step ``step`` was dispatched; ``metrics`` are device arrays (reading one waits)."""
+
+    def on_end(self, loop: Loop, ok: bool) -> None:
+        """After the loop; ``ok`` is False when an exception ends it."""
+
+
+def train_loop(loop: Loop, hooks: Sequence[Hook]) -> None:
+    """Steps ``loop.start + 1 .. train.steps``; a SIGTERM/SIGINT stops after the current step."""
+    cfg, step_fn, ok = loop.cfg, None, False
+    try:
+        with preempt.Preemption(cfg.checkpoint.grace_period_s) as stop:
+            for hook in hooks:
+                hook.on_start(loop)
+            for step in range(loop.start + 1, cfg.train.steps + 1):
+                batch = next(loop.batches)
+                if step_fn is None:  # compile on the first real batch, timed, for the hooks to report
+                    t0 = time.perf_counter()
+                    step_fn = loop.setup.fns.train_step.lower(loop.state, batch).compile()
+                    loop.result.compile_s = time.perf_counter() - t0
+                    for hook in hooks:
+                        hook.on_compile(loop, step_fn, loop.result.compile_s)
+                for hook in hooks:
+                    hook.before_step(loop, step)
+                loop.state, metrics = step_fn(loop.state, batch)
+                loop.stopping = stop.name if stop.requested else ""
+                for hook in hooks:
+                    hook.after_step(loop, step, metrics)
+                if loop.stopping:
+                    stop.finished()
+                    loop.result.preempted = loop.stopping
+                    saved = "committed" if loop.committed == step else "NOT saved"
+                    loop.out.info(f"{loop.stopping}: stopped after step {step}; checkpoint {saved}; "
+                                  f"rerun to resume")
+                    break
+        ok = True
+    finally:
+        loop.result.state = loop.state
+        for hook in hooks:
+            hook.on_end(loop, ok)

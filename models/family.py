@@ -1,0 +1,70 @@
+"""What a model family provides, and the causal-LM loss the decoder families share.
+
+A family folder (``models/<name>/``) holds its config class, its NNX module, its
+Hugging Face converter, its FLOPs-per-token formula and its logical axis names, and
+exposes them as ``FAMILY = Family(...)`` in its ``__init__``. The trainer builds the
+model as ``family.model(cfg, rngs)`` with ``cfg.vocab_size`` resolved from the
+tokenizer when the config leaves it 0.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Protocol
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxtrain.config.schema import ModelConfig
+
+# (model, batch) -> (loss, aux): the mean loss of one micro-batch, and a dict of scalars.
+# aux["weight"] (optional) is the count that mean is over (e.g. loss-mask tokens), so micro-
+# batches with different counts accumulate to the full-batch mean; every other aux entry is
+# a metric (auxiliary losses such as MoE load balancing are added to the loss and reported here).
+LossFn = Callable[[nnx.Module, dict], tuple[jax.Array, dict]]
+
+
+class HFConverter(Protocol):
+    """A family's Hugging Face ``safetensors`` converter (names and layouts of its HF class)."""
+
+    architecture: str  # e.g. "LlamaForCausalLM"
+
+    def to_hf(self, params: dict, cfg: Any) -> dict[str, jax.Array]: ...
+    def from_hf(self, tensors: dict, cfg: Any) -> dict: ...
+    def shapes(self, cfg: Any) -> dict[str, tuple]: ...
+    def hf_config(self, cfg: Any, seq_len: int) -> dict: ...
+
+
+def masked_cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(sum(cross-entropy * mask) / max(sum(mask), 1), sum(mask)).
+
+    logits [batch, length, vocab] float32; targets, mask [batch, length] int32.
+    """
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    weight = mask.sum().astype(jnp.float32)
+    return (ce * mask.astype(ce.dtype)).sum() / jnp.maximum(weight, 1.0), weight
+
+
+def causal_lm_loss(model: nnx.Module, batch: dict) -> tuple[jax.Array, dict]:
+    """Next-token cross-entropy over ``loss_mask`` of a batch dict of [batch, length] int32 arrays.
+
+    ``positions`` and ``segment_ids`` are passed to the model when the batch has them
+    (packed documents); windows batches leave them out (one segment at positions 0..T-1).
+    """
+    logits = model(batch["inputs"], positions=batch.get("positions"), segment_ids=batch.get("segment_ids"))
+    loss, weight = masked_cross_entropy(logits, batch["targets"], batch["loss_mask"])
+    return loss, {"weight": weight}
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family: see the module docstring. ``hf`` is None when it has no HF converter."""
+
+    name: str
+    config: type[ModelConfig]
+    model: Callable[[Any, nnx.Rngs], nnx.Module]  # (config with vocab_size resolved, rngs) -> module
+    flops_per_token: Callable[[Any, int], float]  # (config, seq_len) -> training FLOPs per token
+    logical_axes: tuple[str, ...]  # every logical name its parameters and activations use
+    loss: LossFn = causal_lm_loss
+    hf: Optional[HFConverter] = None

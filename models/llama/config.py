@@ -1,0 +1,66 @@
+"""``model:`` keys of the llama family (``model.family: llama``, the default)."""
+from __future__ import annotations
+
+from typing import ClassVar, Literal, Optional
+
+from jaxtrain.config.checks import positive
+from jaxtrain.config.schema import ConfigError, ModelConfig
+
+
+class LlamaConfig(ModelConfig):
+    """Llama-style decoder hyper-parameters (sizes in elements; dtypes as numpy names)."""
+
+    family: Literal["llama"] = "llama"
+    vocab_size: int = 0  # 0: taken from the tokenizer
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 4
+    d_ff: int = 384
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    dtype: Literal["float32", "bfloat16"] = "float32"  # activation/compute dtype
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    # auto | xla | blockwise | cudnn | pallas | ring; see models/attention.py and README "Attention"
+    attention: Literal["auto", "xla", "blockwise", "cudnn", "pallas", "ring"] = "auto"
+    init_std: float = 0.02
+    scan_layers: bool = False  # stack the blocks and lax.scan over them (flat compile time in depth)
+    remat: Literal["none", "full", "save_matmuls"] = "none"  # activation recompute per block
+
+    layout_keys: ClassVar[tuple[str, ...]] = (
+        "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "tie_embeddings", "param_dtype",
+        "scan_layers")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def check(self, cfg) -> None:
+        for key in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"):
+            positive(f"model.{key}", getattr(self, key))
+        if self.vocab_size < 0:
+            raise ConfigError(f"model.vocab_size: must be >= 0 (0 = from tokenizer), got {self.vocab_size}")
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"model.d_model: {self.d_model} is not divisible by model.n_heads={self.n_heads}")
+        if self.head_dim % 2:
+            raise ConfigError(f"model.d_model: head dim {self.head_dim} must be even for rotary embeddings")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(f"model.n_kv_heads: model.n_heads={self.n_heads} is not divisible by "
+                              f"n_kv_heads={self.n_kv_heads}")
+
+    def check_against_mesh(self, cfg, axis_sizes: dict[str, int], platform: Optional[str]) -> None:
+        """Raises ConfigError: an attention that cannot run on ``platform``, ring chunks that do not
+        divide the length, or heads / KV heads not divisible by the tensor axis."""
+        from jaxtrain.models.attention import backend_problem  # the one place that knows the backends
+        problem = backend_problem(self.attention, platform) if platform else None
+        if problem:
+            raise ConfigError(f"model.attention: {problem}")
+        seq = axis_sizes["sequence"]
+        if self.attention == "ring" and cfg.data.seq_len % (2 * seq):
+            raise ConfigError(f"data.seq_len: {cfg.data.seq_len} is not divisible by 2 * mesh.sequence = "
+                              f"{2 * seq} (model.attention=ring holds two zig-zag chunks per device)")
+        tp = axis_sizes["tensor"]
+        for key in ("n_heads", "n_kv_heads"):
+            if getattr(self, key) % tp:
+                raise ConfigError(f"model.{key}: {getattr(self, key)} is not divisible by mesh.tensor={tp}")

@@ -7,7 +7,7 @@ import pytest
 from safetensors import safe_open
 
 from jaxtrain.checkpoint import checkpointer as ckptlib
-from jaxtrain.checkpoint import hf as exportlib
+from jaxtrain.train import hf as exportlib
 from jaxtrain.cli import export as export_cli
 from jaxtrain.config import ConfigError
 from jaxtrain.models import registry

@@ -11,7 +11,7 @@ import yaml
 
 from jaxtrain import config as cfglib
 from jaxtrain.analysis.explain import explain
-from jaxtrain.checkpoint import hf
+from jaxtrain.train import hf
 from jaxtrain.config import ConfigError
 from jaxtrain.models import attention, registry
 from jaxtrain.train import fit

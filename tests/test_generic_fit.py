@@ -86,6 +86,10 @@ def test_what_cannot_be_trained_is_named(tmp_path):
         fit(cfg, ModelSpec(WithBatchStats, mse, name="bn"), data, devices=jax.devices()[:1])
     with pytest.raises(ValueError, match="a ModelSpec needs its data source"):
         fit(cfg, ModelSpec(NoAxes, mse))
+    llama = cfglib.load(None, [f"run.dir={tmp_path / 'run'}", "mesh.data=1"])
+    with pytest.raises(cfglib.ConfigError, match=r"^model.family: a ModelSpec given in Python is a custom model; "
+                                                 r"set model.family: custom .*not 'llama'$"):
+        fit(llama, ModelSpec(NoAxes, mse), data, devices=jax.devices()[:1])
     assert not (tmp_path / "run").exists()  # nothing written for a run that cannot start
 
 

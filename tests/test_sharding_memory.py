@@ -2,7 +2,7 @@
 import pytest
 
 from jaxtrain import config as cfglib
-from jaxtrain.analysis import memory
+from jaxtrain.metrics import memory
 from jaxtrain.train import setup
 from jaxtrain.train.step import count_params
 

@@ -16,7 +16,8 @@ from typing import Optional
 
 import jax
 
-from jaxtrain.analysis import collectives, memory
+from jaxtrain.analysis import collectives
+from jaxtrain.metrics import memory
 from jaxtrain.config import Config
 from jaxtrain.parallel.mesh import describe
 from jaxtrain.parallel.rules import path_str

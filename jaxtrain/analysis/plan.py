@@ -26,7 +26,8 @@ from typing import Optional, Sequence
 
 import jax
 
-from jaxtrain.analysis import collectives, memory
+from jaxtrain.analysis import collectives
+from jaxtrain.metrics import memory
 from jaxtrain.config import MESH_AXES, Config, ConfigError
 from jaxtrain.parallel.rules import Rules, ShardingError, rule_sets as shipped_rule_sets
 from jaxtrain.train.setup import setup, vocab_for

@@ -1,2 +1,2 @@
-"""Checkpoints: Orbax saves with commit markers and retention (``checkpointer``), where they are
-stored (``storage``: local, GCS, S3), and Hugging Face safetensors out and in (``hf``)."""
+"""Checkpoints: Orbax saves with commit markers and retention (``checkpointer``) and where they are
+stored (``storage``: local, GCS, S3). Hugging Face safetensors are ``jaxtrain.train.hf``."""

@@ -3,7 +3,7 @@
     python -m jaxtrain.export RUN_DIR [--step N] --format safetensors OUT_DIR
     python -m jaxtrain.export --import HF_DIR [--config FILE] [key=value ...]
 
-See ``jaxtrain.checkpoint.hf``.
+See ``jaxtrain.train.hf``.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("export needs RUN_DIR and OUT_DIR")
 
     def body() -> None:
-        from jaxtrain.checkpoint import hf
+        from jaxtrain.train import hf
         from jaxtrain.config import load
         if a.import_dir:
             run_dir = hf.import_hf(Path(a.import_dir), load(a.config, a.args))

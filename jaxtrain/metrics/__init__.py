@@ -1,2 +1,2 @@
-"""What a run reports: metric sinks (``sinks``), console output (``console``), peak FLOP/s and
-MFU (``flops``), profiler traces (``profile``)."""
+"""What a run reports: metric sinks (``sinks``), console output (``console``), per-device memory
+(``memory``), peak FLOP/s and MFU (``flops``), profiler traces (``profile``)."""

@@ -1,5 +1,6 @@
 """Training: the one run setup (``setup``), the step (``step``, ``optimizer``), the loop and its
-hooks (``loop``, ``hooks``), and ``fit`` (``fit``), which ties them together.
+hooks (``loop``, ``hooks``), ``fit`` (``fit``), which ties them together, and Hugging Face
+safetensors out of a run and into a new one (``hf``).
 
 ``python -m jaxtrain.train`` is the command line (``jaxtrain.cli.train``).
 """

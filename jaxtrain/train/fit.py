@@ -69,8 +69,8 @@ def _fit(s: Setup, run_dir: Path, quiet: bool, extra: Sequence[Hook]) -> RunResu
     def on_checkpoint(row: dict) -> None:  # committed or failed saves, reported by the checkpointer
         loop.record(row.pop("step"), row)
 
-    ckpt = Checkpointer(cfg, run_dir, dict(s.mesh.shape), on_checkpoint) if cfg.checkpoint.enabled else None
     try:
+        ckpt = Checkpointer(cfg, run_dir, dict(s.mesh.shape), on_checkpoint) if cfg.checkpoint.enabled else None
         if ckpt and ckpt.removed:
             out.info(f"removed uncommitted checkpoint directories: {', '.join(ckpt.removed)}")
         batches = data.iterator(s.fns.batch_sharding)

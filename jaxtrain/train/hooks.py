@@ -12,7 +12,7 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from jaxtrain.analysis import memory
+from jaxtrain.metrics import memory
 from jaxtrain.checkpoint.checkpointer import Checkpointer
 from jaxtrain.errors import JaxtrainError
 from jaxtrain.metrics import flops
@@ -139,9 +139,9 @@ class Checkpointing(Hook):
             ckpt.save(step, loop.state, loop.batches.get_state(),
                       {k: v for k, v in loop.last_eval.items() if k != "step"} if at_step else {})
         ckpt.poll()
-        if loop.stopping:
+        if loop.stopping:  # let the save commit before the process exits
             ckpt.wait()
-        loop.committed = ckpt.latest_step() if loop.stopping else loop.committed
+            loop.committed = ckpt.latest_step()
 
     def on_end(self, loop: Loop, ok: bool) -> None:
         if ok:

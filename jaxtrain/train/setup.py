@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 
 from jaxtrain import data as datalib
 from jaxtrain.checkpoint.checkpointer import abstract_like
-from jaxtrain.config import Config, check_against_mesh
+from jaxtrain.config import Config, ConfigError, check_against_mesh
 from jaxtrain.data import tokenizers
 from jaxtrain.models.family import Family
 from jaxtrain.parallel.mesh import build_mesh, resolve_sizes
@@ -87,6 +87,9 @@ def setup(cfg: Config, devices: Optional[Sequence[jax.Device]] = None, *, spec: 
     check_against_mesh(cfg, sizes, devices[0].platform)
     rules = Rules.from_config(cfg.sharding)
     check_mesh_used(rules, sizes)
+    if spec is not None and cfg.model.family != "custom":
+        raise ConfigError(f"model.family: a ModelSpec given in Python is a custom model; set model.family: custom "
+                          f"(its own settings go under model.options), not '{cfg.model.family}'")
     family = lm.family_of(cfg) if spec is None else None
     if family is not None:
         rules.check_names(family.logical_axes, f"model family '{family.name}'")

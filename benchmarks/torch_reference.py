@@ -55,7 +55,7 @@ def rotate(x, cos, sin):
 class Block(nn.Module):
     def __init__(self, m, std: float, out_std: float):
         super().__init__()
-        self.h, self.kvh, self.hd = m.n_heads, m.n_kv_heads, m.d_model // m.n_heads
+        self.h, self.kvh, self.hd = m.n_heads, m.n_kv_heads, m.head_dim
         self.attn_norm, self.mlp_norm = RMSNorm(m.d_model, m.norm_eps), RMSNorm(m.d_model, m.norm_eps)
         self.wq = nn.Linear(m.d_model, self.h * self.hd, bias=False)
         self.wk = nn.Linear(m.d_model, self.kvh * self.hd, bias=False)
@@ -94,7 +94,7 @@ class Llama(nn.Module):
         self.final_norm = RMSNorm(m.d_model, m.norm_eps)
         self.lm_head = nn.Linear(m.d_model, vocab, bias=False)
         nn.init.normal_(self.lm_head.weight, std=m.init_std)
-        cos, sin = rotary_tables(seq, m.d_model // m.n_heads, m.rope_theta)
+        cos, sin = rotary_tables(seq, m.head_dim, m.rope_theta)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 

@@ -78,7 +78,7 @@ def parse_override(item: str, family: str = DEFAULT_FAMILY) -> tuple[list[str], 
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override '{item}': empty key")
     path = key.split(".")
-    annotation = _annotation(path, family) if path[0] != "model" or path[1:] != ["family"] else str
+    annotation = str if path == ["model", "family"] else _annotation(path, family)
     if _is_string_field(annotation) and raw not in ("null", "~"):
         return path, raw
     try:
@@ -102,7 +102,7 @@ def _set(tree: dict, path: list[str], value: Any) -> None:
     node[path[-1]] = value
 
 
-def validation_error(err: ValidationError) -> ConfigError:
+def _validation_error(err: ValidationError) -> ConfigError:
     """The first problem of a pydantic ValidationError as a ConfigError naming the dotted key."""
     first = err.errors()[0]
     key = ".".join(str(p) for p in first["loc"]) or "config"
@@ -118,7 +118,7 @@ def from_dict(tree: dict) -> Config:
     try:
         return Config.model_validate(tree)
     except ValidationError as err:
-        raise validation_error(err) from None
+        raise _validation_error(err) from None
 
 
 def load(path: Optional[str] = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:

@@ -85,7 +85,7 @@ def _fit(s: Setup, run_dir: Path, quiet: bool, extra: Sequence[Hook]) -> RunResu
         peak, peak_src = flops.total_peak_flops(cfg, s.devices)
         out.info(describe_run(s, state, peak, peak_src))
         loop = Loop(s, state, batches, val, sinks, out, result, start)
-        hooks = [H.CompileReport(), H.NonFiniteGuard(ckpt), H.LogMetrics(peak), H.Evaluate(),
+        hooks = [H.CompileReport(), H.StopOnSignal(), H.NonFiniteGuard(ckpt), H.LogMetrics(peak), H.Evaluate(),
                  *([H.Checkpointing(ckpt)] if ckpt else []), H.Profile(StepProfiler(cfg, run_dir)), H.Progress()]
         if data.tokenizer is not None:
             hooks.append(H.Sample(data.tokenizer, getattr(data, "bos_id", None)))

@@ -1,8 +1,9 @@
 """The loop's hooks: each one concern of a run that is not the train step itself.
 
-``default_hooks`` gives the order they run in after every step: the non-finite guard
-(which may stop the run), the metrics row, evaluation, checkpointing (which may need that
-evaluation), the profiler, the progress bar.
+``jaxtrain.train.fit`` runs them in this order after every step: a stop request (which
+makes this the last step), the non-finite guard (which may end the run), the metrics row,
+evaluation, checkpointing (which may need that evaluation, and commits before a stop), the
+profiler, the progress bar; the sample comes at the end.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from jaxtrain.checkpoint.checkpointer import Checkpointer
 from jaxtrain.errors import JaxtrainError
 from jaxtrain.metrics import flops
 from jaxtrain.metrics.profile import StepProfiler
+from jaxtrain.train import preempt
 from jaxtrain.train.loop import Hook, Loop
 from jaxtrain.train.sample import generate
 
@@ -35,6 +37,28 @@ class CompileReport(Hook):
         loop.out.info(memory.state_report(loop.state, loop.setup.fns.state_shardings, compiled).summary())
         if loop.setup.rules.fallbacks:  # after tracing, so activation fallbacks are listed too
             loop.out.warn_table("sharding.allow_fallback replicated these dimensions", loop.setup.rules.fallbacks)
+
+
+class StopOnSignal(Hook):
+    """SIGTERM/SIGINT: the current step is the last (the checkpoint hook saves and commits it), then the
+    run ends with exit 0; ``checkpoint.grace_period_s`` bounds the wait (``jaxtrain.train.preempt``)."""
+
+    def on_start(self, loop: Loop) -> None:
+        self.signals = preempt.Preemption(loop.cfg.checkpoint.grace_period_s).__enter__()
+
+    def after_step(self, loop: Loop, step: int, metrics: dict) -> None:
+        if self.signals.requested:
+            loop.stopping = loop.result.preempted = self.signals.name
+            self.step = step
+
+    def on_end(self, loop: Loop, ok: bool) -> None:
+        if not hasattr(self, "signals"):
+            return
+        if ok and loop.stopping:
+            self.signals.finished()
+            saved = "committed" if loop.committed == self.step else "NOT saved"
+            loop.out.info(f"{loop.stopping}: stopped after step {self.step}; checkpoint {saved}; rerun to resume")
+        self.signals.__exit__(None, None, None)
 
 
 class NonFiniteGuard(Hook):

@@ -1,8 +1,8 @@
 """The training loop: take a batch, run the step, let every hook look (nanoGPT's ``train()`` shape).
 
-Everything that is not the step (logging, evaluation, checkpoints, the non-finite guard,
-profiling, the progress bar, sampling) is a :class:`Hook` in ``jaxtrain.train.hooks``;
-a new concern is a new hook, not a new branch here.
+Everything that is not the step (preemption, the non-finite guard, logging, evaluation,
+checkpoints, profiling, the progress bar, sampling) is a :class:`Hook` in
+``jaxtrain.train.hooks``; a new concern is a new hook, not a new branch here.
 """
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import numpy as np
 
 from jaxtrain.metrics.console import Reporter
 from jaxtrain.metrics.sinks import Sinks
-from jaxtrain.train import preempt
 from jaxtrain.train.setup import Setup
 
 
@@ -51,7 +50,7 @@ class Loop:
     out: Reporter
     result: RunResult
     start: int
-    stopping: str = ""  # the signal's name once a stop was requested
+    stopping: str = ""  # set by a hook (the signal's name on SIGTERM/SIGINT): the loop ends after this step
     last_eval: dict = field(default_factory=dict)  # {'step', 'val_loss', ...} of the latest evaluation
     committed: Optional[int] = None  # the latest committed checkpoint step, when checkpointing
     uncounted_flag: Any = None  # the current step's non-finite flag until the guard has counted it
@@ -105,33 +104,26 @@ class Hook:
 
 
 def train_loop(loop: Loop, hooks: Sequence[Hook]) -> None:
-    """Steps ``loop.start + 1 .. train.steps``; a SIGTERM/SIGINT stops after the current step."""
-    cfg, step_fn, ok = loop.cfg, None, False
+    """Steps ``loop.start + 1 .. train.steps``, or until a hook sets ``loop.stopping``."""
+    step_fn, ok = None, False
     try:
-        with preempt.Preemption(cfg.checkpoint.grace_period_s) as stop:
+        for hook in hooks:
+            hook.on_start(loop)
+        for step in range(loop.start + 1, loop.cfg.train.steps + 1):
+            batch = next(loop.batches)
+            if step_fn is None:  # compile on the first real batch, timed, for the hooks to report
+                t0 = time.perf_counter()
+                step_fn = loop.setup.fns.train_step.lower(loop.state, batch).compile()
+                loop.result.compile_s = time.perf_counter() - t0
+                for hook in hooks:
+                    hook.on_compile(loop, step_fn, loop.result.compile_s)
             for hook in hooks:
-                hook.on_start(loop)
-            for step in range(loop.start + 1, cfg.train.steps + 1):
-                batch = next(loop.batches)
-                if step_fn is None:  # compile on the first real batch, timed, for the hooks to report
-                    t0 = time.perf_counter()
-                    step_fn = loop.setup.fns.train_step.lower(loop.state, batch).compile()
-                    loop.result.compile_s = time.perf_counter() - t0
-                    for hook in hooks:
-                        hook.on_compile(loop, step_fn, loop.result.compile_s)
-                for hook in hooks:
-                    hook.before_step(loop, step)
-                loop.state, metrics = step_fn(loop.state, batch)
-                loop.stopping = stop.name if stop.requested else ""
-                for hook in hooks:
-                    hook.after_step(loop, step, metrics)
-                if loop.stopping:
-                    stop.finished()
-                    loop.result.preempted = loop.stopping
-                    saved = "committed" if loop.committed == step else "NOT saved"
-                    loop.out.info(f"{loop.stopping}: stopped after step {step}; checkpoint {saved}; "
-                                  f"rerun to resume")
-                    break
+                hook.before_step(loop, step)
+            loop.state, metrics = step_fn(loop.state, batch)
+            for hook in hooks:
+                hook.after_step(loop, step, metrics)
+            if loop.stopping:
+                break
         ok = True
     finally:
         loop.result.state = loop.state

@@ -2,9 +2,11 @@
 
 A family folder (``models/<name>/``) holds its config class, its NNX module, its
 Hugging Face converter, its FLOPs-per-token formula and its logical axis names, and
-exposes them as ``FAMILY = Family(...)`` in its ``__init__``. The trainer builds the
-model as ``family.model(cfg, rngs)`` with ``cfg.vocab_size`` resolved from the
-tokenizer when the config leaves it 0.
+exposes them as ``FAMILY = Family(...)`` in its ``__init__``. A family is a language
+model trained on ``cfg.data``: its config class has a ``vocab_size`` field (0 = the
+tokenizer's), and the trainer builds the model as ``family.model(cfg, rngs)`` with that
+field resolved. The module maps ``tokens [batch, length] int32`` (and optional
+``positions`` and ``segment_ids``, same shape) to ``logits [batch, length, vocab]``.
 """
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ class HFConverter(Protocol):
     """A family's Hugging Face ``safetensors`` converter (names and layouts of its HF class)."""
 
     architecture: str  # e.g. "LlamaForCausalLM"
+
+    def vocab_size(self, tensors: dict) -> int: ...
 
     def to_hf(self, params: dict, cfg: Any) -> dict[str, jax.Array]: ...
     def from_hf(self, tensors: dict, cfg: Any) -> dict: ...

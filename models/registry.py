@@ -3,13 +3,16 @@
 A family is a folder (a package) whose ``__init__`` defines ``FAMILY``, a
 :class:`jaxtrain.models.family.Family`: its config class, its NNX module, its FLOPs
 per token, its logical axis names and, optionally, its Hugging Face converter and
-its own loss. Adding a family is adding its folder and one line to :data:`FAMILIES`
-(or, outside this package, one :func:`register` call). Nothing outside ``models/``
-imports a family by name; everything asks this registry.
+its own loss. Adding a family is adding its folder and one line to :data:`FAMILIES`.
+A family in another installed package registers itself with an entry point in the
+``jaxtrain.families`` group (``name = "package.path"``), which every command sees;
+:func:`register` does the same from Python. Nothing outside ``models/`` imports a
+family by name; everything asks this registry.
 """
 from __future__ import annotations
 
 import importlib
+from importlib import metadata
 from typing import TYPE_CHECKING
 
 from jaxtrain.config.schema import ConfigError
@@ -23,13 +26,21 @@ FAMILIES: dict[str, str] = {
 }
 
 
+ENTRY_POINTS = "jaxtrain.families"  # the entry-point group of families in other packages
+
+
 def register(name: str, package: str) -> None:
     """Makes ``model.family: <name>`` build the family defined in ``package`` (e.g. a family of your own)."""
     FAMILIES[name] = package
 
 
+def _all() -> dict[str, str]:
+    plugins = {e.name: e.value for e in metadata.entry_points(group=ENTRY_POINTS)}
+    return {**plugins, **FAMILIES}
+
+
 def names() -> list[str]:
-    return sorted(FAMILIES)
+    return sorted(_all())
 
 
 def get(name: str) -> "Family":
@@ -38,12 +49,13 @@ def get(name: str) -> "Family":
     Raises:
       ConfigError: no such family, or its package does not define a matching ``FAMILY``.
     """
-    if name not in FAMILIES:
-        raise ConfigError(f"model.family: unknown family '{name}' (known: {', '.join(names())}, and custom "
+    known = _all()
+    if name not in known:
+        raise ConfigError(f"model.family: unknown family '{name}' (known: {', '.join(sorted(known))}, and custom "
                           f"for a model given to jaxtrain.fit in Python)")
-    family = getattr(importlib.import_module(FAMILIES[name]), "FAMILY", None)
+    family = getattr(importlib.import_module(known[name]), "FAMILY", None)
     if family is None or family.name != name:
-        raise ConfigError(f"model.family: package {FAMILIES[name]} defines no FAMILY named '{name}'")
+        raise ConfigError(f"model.family: package {known[name]} defines no FAMILY named '{name}'")
     return family
 
 

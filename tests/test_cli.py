@@ -62,3 +62,16 @@ def test_metrics_sinks_choose_where_rows_go(small_cfg, capsys):
     with pytest.raises(ConfigError) as e:
         small_cfg("metrics.sinks=[console, wandb]")
     assert str(e.value) == "metrics.sinks: unknown sink 'wandb' (known: console, jsonl)"
+
+
+def test_sink_names_in_the_schema_are_the_sinks_there_are():
+    from jaxtrain.config.schema import SINKS as NAMES
+    from jaxtrain.metrics.sinks import SINKS
+    assert tuple(SINKS) == NAMES
+
+
+def test_plan_names_a_config_it_cannot_build_once(capsys):
+    assert plan_cli.main(["--config", "digits_mlp", "--devices", "2"]) == 2
+    assert capsys.readouterr().err.startswith("error: model.family: 'custom' is a model built in Python")
+    assert plan_cli.main(["--devices", "2", "--rules", ","]) == 2
+    assert capsys.readouterr().err == "error: --rules: no rule set named (e.g. --rules dp,fsdp)\n"

@@ -1,5 +1,6 @@
 """HF Llama safetensors export and import: names, layouts, config.json, exact round trip, no pickle."""
 import json
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -17,10 +18,11 @@ from jaxtrain.train import rundir, setup
 def saved_run(cfg, devices, step=3):
     """A run dir whose committed checkpoint ``step`` holds freshly initialised (random) params."""
     state = setup(cfg, devices, vocab=256).fns.init()
-    run_dir = rundir.prepare(cfg)
-    ckpt = ckptlib.Checkpointer(cfg, run_dir)
-    ckpt.save(step, state, {})
-    ckpt.close()
+    with rundir.opened(cfg) as run_dir:
+        rundir.write_config_file(cfg, run_dir)
+        ckpt = ckptlib.Checkpointer(cfg, run_dir)
+        ckpt.save(step, state, {})
+        ckpt.close()
     return run_dir, jax.device_get(state["params"])
 
 
@@ -73,6 +75,13 @@ def test_export_names_layouts_and_exact_round_trip(small_cfg, tmp_path, tied):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert int(state["step"]) == 0
+
+    # Importing again into that run is refused before anything of it is written.
+    before = {p.name: p.read_bytes() for p in Path(cfg2.run.dir).iterdir() if p.is_file()}
+    with pytest.raises(ConfigError) as err:
+        exportlib.import_hf(out, cfg2)
+    assert str(err.value) == f"run.dir: '{cfg2.run.dir}' is not empty; give a new or empty directory"
+    assert {p.name: p.read_bytes() for p in Path(cfg2.run.dir).iterdir() if p.is_file()} == before
 
 
 def test_import_into_a_different_model_lists_every_problem(small_cfg, tmp_path):

@@ -11,10 +11,10 @@ import yaml
 
 from jaxtrain import config as cfglib
 from jaxtrain.analysis.explain import explain
-from jaxtrain.train import hf
+from jaxtrain.checkpoint.checkpointer import CheckpointError
 from jaxtrain.config import ConfigError
 from jaxtrain.models import attention, registry
-from jaxtrain.train import fit
+from jaxtrain.train import fit, hf
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["model.family=tinylm", "model.width=32", "model.hidden=64", "data.tokenizer=byte", "data.seq_len=32",
@@ -52,6 +52,14 @@ def test_a_new_family_is_a_folder_and_one_registry_line(tiny, tmp_path):
     assert second.start_step == 3 and [second.losses[s] for s in (4, 5, 6)] == losses[3:]
     with pytest.raises(ConfigError, match=r"^model.family: 'tinylm' has no Hugging Face converter"):
         hf.export(full.run_dir, tmp_path / "hf")
+    # The run resumed as another family: refused, naming the family change first.
+    llama = cfglib.load(None, ["data.tokenizer=byte", "data.seq_len=32", "train.global_batch=8", "train.steps=8",
+                               "run.progress=false", f"data.path={tiny().data.path}", f"run.dir={full.run_dir}",
+                               *eight])
+    with pytest.raises(CheckpointError) as e:
+        fit(llama, quiet=True)
+    assert "\nconfig keys changed since the checkpoint (use a new run.dir or the saved values):\n" \
+           "  model.family: checkpoint has 'tinylm', config has 'llama'\n" in str(e.value)
 
 
 def test_the_family_schema_names_unknown_keys_and_checks_values(tiny):
@@ -77,7 +85,7 @@ def test_the_new_family_goes_through_explain_and_export_says_it_has_no_converter
     (tmp_path / hf.WEIGHTS_FILE).write_bytes(b"")
     with pytest.raises(ConfigError) as e:
         hf.import_hf(tmp_path, cfg)
-    assert str(e.value) == "model.family: 'tinylm' has no Hugging Face converter (models/tinylm/)"
+    assert str(e.value) == "model.family: 'tinylm' has no Hugging Face converter (its Family has no hf)"
 
 
 def test_unknown_and_custom_families_are_named(tmp_path):
@@ -113,3 +121,13 @@ def test_no_library_module_imports_a_family_by_name():
             if any(n == f or n.startswith(f + ".") for n in names for f in families):
                 offenders.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert offenders == []
+
+
+def test_a_family_in_another_package_is_found_by_its_entry_point(monkeypatch):
+    from importlib import metadata
+    ep = metadata.EntryPoint(name="tinylm", value="tiny_family", group=registry.ENTRY_POINTS)
+    monkeypatch.setattr(registry.metadata, "entry_points",
+                        lambda group: [ep] if group == registry.ENTRY_POINTS else [])
+    assert registry.names() == ["llama", "tinylm"]
+    cfg = cfglib.load(None, ["model.family=tinylm", "model.width=16"])
+    assert (type(cfg.model).__name__, cfg.model.width) == ("TinyConfig", 16)

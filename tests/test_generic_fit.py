@@ -79,8 +79,8 @@ def test_what_cannot_be_trained_is_named(tmp_path):
     data = ArrayData({"x": x, "y": x[:, :2]}, {"x": x, "y": x[:, :2]}, cfg)
     with pytest.raises(ShardingError) as e:
         fit(cfg, ModelSpec(NoAxes, mse, name="no_axes"), data, devices=jax.devices()[:1])
-    assert str(e.value) == ("model 'no_axes': a parameter of shape (4, 2) has no logical axis names; create it as "
-                            "nnx.Param(value, axes=(...))")
+    assert str(e.value) == ("model 'no_axes': parameter(s) without logical axis names: w (4, 2); create them as "
+                            "nnx.Param(value, axes=(...)), one name per dimension")
     with pytest.raises(ShardingError, match=r"^model 'bn': state that is not an nnx.Param cannot be trained here "
                                             r"\(norm\.mean, norm\.var\)$"):
         fit(cfg, ModelSpec(WithBatchStats, mse, name="bn"), data, devices=jax.devices()[:1])
@@ -104,3 +104,36 @@ def test_array_data_errors_are_named(tmp_path):
         ArrayData({"x": x, "y": x[:39]}, {"x": x, "y": x}, cfg)
     with pytest.raises(DataError, match=r"^data: validation fields \['x'\] differ from training fields \['x', 'y'\]$"):
         ArrayData({"x": x, "y": x}, {"x": x}, cfg)
+
+
+def bad_metrics(model, batch):
+    return mse(model, batch)[0], {"lr": jnp.float32(7.0)}
+
+
+def vector_loss(model, batch):
+    return (model(batch["x"]) - batch["y"]) ** 2, {}
+
+
+def test_a_loss_that_breaks_the_contract_is_named_before_the_run(tmp_path):
+    cfg = digits_cfg(tmp_path, "mesh.data=1")
+    x = np.zeros((64, 4), np.float32)
+    data = ArrayData({"x": x, "y": x[:, :2]}, {"x": x, "y": x[:, :2]}, cfg)
+    make = lambda rngs: WithAxes(rngs)  # noqa: E731
+    with pytest.raises(cfglib.ConfigError) as e:
+        fit(cfg, ModelSpec(make, bad_metrics, name="m"), data, devices=jax.devices()[:1])
+    assert str(e.value) == ("model 'm': the loss's metrics may not be named lr (the step reports loss, grad_norm, "
+                            "lr, nonfinite itself)")
+    with pytest.raises(cfglib.ConfigError) as e:  # (pytest's match= would also read the note JAX adds)
+        fit(cfg, ModelSpec(make, vector_loss, name="m"), data, devices=jax.devices()[:1])
+    assert str(e.value) == "model 'm': the loss must return a scalar first, got shape (32, 2)"
+    with pytest.raises(DataError, match=r"^data: train field\(s\) y have no leading examples dimension$"):
+        ArrayData({"x": x, "y": np.float32(1)}, {"x": x, "y": x}, cfg)
+    assert not (tmp_path / "run").exists()
+
+
+class WithAxes(nnx.Module):
+    def __init__(self, rngs):
+        self.w = nnx.Param(jnp.zeros((4, 2)), axes=("embed", "classes"))
+
+    def __call__(self, x):
+        return x @ self.w[...]

@@ -55,7 +55,8 @@ def test_foreign_directory_is_not_overwritten(small_cfg, tmp_path):
     mine.mkdir()
     (mine / "config.yaml").write_text("my notes\n")
     with pytest.raises(ConfigError, match="is not empty and is not a jaxtrain run directory"):
-        rundir.prepare(small_cfg(f"run.dir={mine}"))
+        with rundir.opened(small_cfg(f"run.dir={mine}")):
+            pass
     assert (mine / "config.yaml").read_text() == "my notes\n"
 
 

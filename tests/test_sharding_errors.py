@@ -121,3 +121,16 @@ def test_batch_not_divisible_by_batch_axes_including_expert():
         cfglib.check_against_mesh(cfg, {"data": 2, "fsdp": 2, "tensor": 1, "sequence": 1, "expert": 2})
     assert str(e.value) == ("train.global_batch: micro-batch 12 (global_batch 12 / grad_accum 1) is not divisible "
                             "by data*fsdp*expert = 2*2*2 = 8")
+
+
+@pytest.mark.parametrize("entry,message", [
+    ("[]", "logical name 'embed' has no candidates (use [null] to replicate it explicitly)"),
+    ("[[]]", "logical name 'embed': candidate [] is not a mesh axis, a non-empty list of mesh axes, or null"),
+    ("[3]", "logical name 'embed': candidate 3 is not a mesh axis, a non-empty list of mesh axes, or null"),
+])
+def test_malformed_rule_candidates_are_named(tmp_path, entry, message):
+    f = tmp_path / "bad.yaml"
+    f.write_text(f"rules:\n  batch: [[data, fsdp, expert]]\n  embed: {entry}\n")
+    with pytest.raises(ShardingError) as e:
+        Rules.load(str(f))
+    assert str(e.value) == f"rules 'bad': {message}"

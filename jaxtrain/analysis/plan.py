@@ -30,6 +30,7 @@ from jaxtrain.analysis import collectives
 from jaxtrain.metrics import memory
 from jaxtrain.config import MESH_AXES, Config, ConfigError
 from jaxtrain.parallel.rules import Rules, ShardingError, rule_sets as shipped_rule_sets
+from jaxtrain.train.lm import family_of
 from jaxtrain.train.setup import setup, vocab_for
 
 
@@ -153,8 +154,10 @@ def plan(cfg: Config, n_devices: int, rule_sets: Optional[Sequence[str]] = None,
     ``rule_sets`` defaults to every shipped one (``sharding_rules/*.yaml``).
 
     Raises:
-      ConfigError: fewer than ``n_devices`` CPU devices, or the vocabulary cannot be known.
+      ConfigError: fewer than ``n_devices`` CPU devices, a family that cannot be built from the
+        config (``custom``, unknown), or a vocabulary that cannot be known.
     """
+    family_of(cfg)  # one error for the config, not the same rejection for every candidate
     devices = jax.devices("cpu")
     if len(devices) < n_devices:
         raise ConfigError(f"--devices: {n_devices} CPU devices requested but this process has {len(devices)} "

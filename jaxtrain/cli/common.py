@@ -23,9 +23,15 @@ def cli(body: Callable[[], Optional[int]]) -> int:
         return err.exit_code
 
 
-def add_config_args(parser: argparse.ArgumentParser) -> None:
+def prog(module: str) -> str:
+    """The command's name in usage lines: ``jaxtrain-train`` as a console script, else ``python -m <module>``."""
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return name if name.startswith("jaxtrain-") else f"python -m {module}"
+
+
+def add_config_args(parser: argparse.ArgumentParser, default: str = "the built-in default job") -> None:
     """``--config FILE`` (or a leading positional FILE.yaml) and dotted ``key=value`` overrides."""
-    parser.add_argument("--config", help="YAML config file or a name in configs/ (default: built-in job)")
+    parser.add_argument("--config", help=f"YAML config file or a name in configs/ (default: {default})")
     parser.add_argument("overrides", nargs="*", help="key=value overrides (a leading FILE.yaml is the config)")
 
 
@@ -46,12 +52,14 @@ def enable_compilation_cache() -> None:
 
 
 def log_to_console() -> None:
-    """Shows the library's INFO lines (e.g. which attention ``model.attention=auto`` picked) on stderr."""
+    """Shows the library's INFO lines (e.g. which attention ``model.attention=auto`` picked) on stderr,
+    once each and plainly, whatever handlers other libraries put on the root logger."""
     log = logging.getLogger("jaxtrain")
-    if not log.handlers and not logging.getLogger().handlers:  # else the root's handler prints them
+    if not log.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(message)s"))
         log.addHandler(handler)
+    log.propagate = False
     log.setLevel(logging.INFO)
 
 

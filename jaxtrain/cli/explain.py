@@ -9,11 +9,11 @@ import math
 import sys
 from typing import Optional, Sequence
 
-from jaxtrain.cli.common import add_config_args, cli, config_args, enable_compilation_cache, use_cpu_devices
+from jaxtrain.cli.common import add_config_args, cli, config_args, enable_compilation_cache, prog, use_cpu_devices
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxtrain.explain",
+    parser = argparse.ArgumentParser(prog=prog("jaxtrain.explain"),
                                      description="Per-parameter shardings, memory and the collectives of one "
                                                  "mesh + rule set (the config's).")
     parser.add_argument("--devices", type=int, default=None,

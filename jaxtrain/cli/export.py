@@ -12,11 +12,11 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from jaxtrain.cli.common import cli
+from jaxtrain.cli.common import cli, prog
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxtrain.export",
+    parser = argparse.ArgumentParser(prog=prog("jaxtrain.export"),
                                      description="Hugging Face safetensors out of a run, or into a new run.")
     parser.add_argument("--import", dest="import_dir", help="HF_DIR to import into run.dir (from the config)")
     parser.add_argument("--config", help="with --import: YAML config or a name in configs/")

@@ -9,11 +9,11 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from jaxtrain.cli.common import add_config_args, cli, config_args, enable_compilation_cache, use_cpu_devices
+from jaxtrain.cli.common import add_config_args, cli, config_args, enable_compilation_cache, prog, use_cpu_devices
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxtrain.plan",
+    parser = argparse.ArgumentParser(prog=prog("jaxtrain.plan"),
                                      description="Rank mesh shapes x rule sets for a config by AOT-compiling "
                                                  "the train step.")
     parser.add_argument("--devices", type=int, default=None, help="number of devices to plan for")
@@ -32,7 +32,11 @@ def _plan(args: argparse.Namespace) -> int:
     if not args.devices or args.devices < 1:
         raise ConfigError("--devices: give the number of devices to plan for, e.g. --devices 8")
     budget = plan.parse_bytes(args.device_memory) if args.device_memory else None
-    rule_sets = args.rules.split(",") if args.rules else None
+    rule_sets = None
+    if args.rules is not None:
+        rule_sets = list(dict.fromkeys(r.strip() for r in args.rules.split(",") if r.strip()))  # once each
+        if not rule_sets:
+            raise ConfigError("--rules: no rule set named (e.g. --rules dp,fsdp)")
     cfg = load(args.config, args.overrides)
     use_cpu_devices(args.devices)
     enable_compilation_cache()

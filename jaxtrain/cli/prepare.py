@@ -8,11 +8,11 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from jaxtrain.cli.common import cli
+from jaxtrain.cli.common import cli, prog
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxtrain.data.prepare",
+    parser = argparse.ArgumentParser(prog=prog("jaxtrain.data.prepare"),
                                      description="Tokenize data.path once into an ArrayRecord token cache.")
     parser.add_argument("--config", help="YAML config file or a name in configs/ (its data section is used)")
     parser.add_argument("--out", required=True, help="output directory (local, gs:// or s3://)")

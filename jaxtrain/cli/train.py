@@ -11,12 +11,12 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from jaxtrain.cli.common import add_config_args, cli, config_args, enable_compilation_cache, log_to_console
+from jaxtrain.cli.common import add_config_args, cli, config_args, enable_compilation_cache, log_to_console, prog
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m jaxtrain.train",
+        prog=prog("jaxtrain.train"),
         description="Train a model. Overrides are dotted key=value pairs, e.g. train.steps=100 mesh.fsdp=8.")
     add_config_args(parser)
     return config_args(parser, argv)

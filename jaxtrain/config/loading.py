@@ -17,7 +17,8 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from jaxtrain.config.schema import DEFAULT_FAMILY, Config, ConfigError, ModelConfig, family_config
+from jaxtrain.config.schema import (DEFAULT_FAMILY, Config, ConfigError, CustomModelConfig, ModelConfig,
+                                    family_config)
 
 
 def _section_class(annotation: Any, subtree: Any) -> Any:
@@ -38,6 +39,8 @@ def _check_keys(tree: Any, model_cls: type[BaseModel], prefix: str = "") -> None
             valid = [f"{prefix}{k}" for k in fields]
             close = difflib.get_close_matches(dotted, valid, n=1, cutoff=0.5)
             hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(valid)}"
+            if model_cls is CustomModelConfig:  # a custom model's own settings have a place of their own
+                hint = f"; a custom model's settings go under {prefix}options (e.g. {prefix}options.{key})"
             raise ConfigError(f"unknown config key '{dotted}'{hint}")
         sub = _section_class(fields[key].annotation, value)
         if isinstance(sub, type) and issubclass(sub, BaseModel):
@@ -105,11 +108,15 @@ def _set(tree: dict, path: list[str], value: Any) -> None:
 def _validation_error(err: ValidationError) -> ConfigError:
     """The first problem of a pydantic ValidationError as a ConfigError naming the dotted key."""
     first = err.errors()[0]
-    key = ".".join(str(p) for p in first["loc"]) or "config"
+    # A value of a union (e.g. model.options.*) is tried against each member type, which pydantic
+    # appends to the location ('...hidden.bool'): name the key only.
+    loc = [str(p) for p in first["loc"] if str(p) not in ("bool", "int", "float", "str")]
+    key = ".".join(loc) or "config"
     got = first.get("input")
     if first["type"] == "value_error" and isinstance(first.get("ctx", {}).get("error"), ConfigError):
         return first["ctx"]["error"]
-    return ConfigError(f"{key}: {first['msg']} (got {got!r})")
+    msg = first["msg"] if len(loc) == len(first["loc"]) else "Input should be a bool, int, float or string"
+    return ConfigError(f"{key}: {msg} (got {got!r})")
 
 
 def from_dict(tree: dict) -> Config:

@@ -101,7 +101,10 @@ def _checked(split: str, arrays: dict[str, Any]) -> dict[str, np.ndarray]:
     if not arrays:
         raise DataError(f"data: the {split} split has no fields")
     out = {k: np.asarray(v) for k, v in arrays.items()}
-    lengths = {k: (len(v) if v.ndim else 0) for k, v in out.items()}
+    scalars = sorted(k for k, v in out.items() if v.ndim == 0)
+    if scalars:
+        raise DataError(f"data: {split} field(s) {', '.join(scalars)} have no leading examples dimension")
+    lengths = {k: len(v) for k, v in out.items()}
     if len(set(lengths.values())) != 1:
         raise DataError(f"data: the {split} fields have different lengths {lengths}")
     return out

@@ -58,12 +58,26 @@ def loss(model: DigitsMLP, batch: dict) -> tuple[jax.Array, dict]:
     return ce, {"accuracy": (logits.argmax(-1) == batch["y"]).mean()}
 
 
+OPTIONS = {"hidden": 128}  # model.options of this example, with their defaults
+
+
 def spec(cfg: Config) -> ModelSpec:
-    """The ModelSpec of ``model.options.hidden`` (hidden units)."""
-    hidden = cfg.model.options.get("hidden", 128) if cfg.model.family == "custom" else None
-    if not isinstance(hidden, int) or hidden < 1:
-        raise ConfigError(f"model.options.hidden: the digits MLP needs model.family=custom and a positive "
-                          f"int hidden size, got {hidden!r}")
+    """The ModelSpec of ``model.options.hidden`` (hidden units).
+
+    Raises:
+      ConfigError: not ``model.family: custom`` (see configs/digits_mlp.yaml), an unknown option,
+        or a hidden size that is not a positive int.
+    """
+    if cfg.model.family != "custom":
+        raise ConfigError(f"model.family: the digits example is a custom model (model.family: custom, as in "
+                          f"configs/digits_mlp.yaml), not '{cfg.model.family}'")
+    unknown = sorted(set(cfg.model.options) - set(OPTIONS))
+    if unknown:
+        raise ConfigError(f"model.options.{unknown[0]}: not an option of the digits example "
+                          f"(known: {', '.join(OPTIONS)})")
+    hidden = cfg.model.options.get("hidden", OPTIONS["hidden"])
+    if type(hidden) is not int or hidden < 1:
+        raise ConfigError(f"model.options.hidden: must be a positive int, got {hidden!r}")
     matmul_params = N_FEATURES * hidden + hidden * N_CLASSES
     return ModelSpec(make=lambda rngs: DigitsMLP(hidden, rngs), loss=loss, name="digits_mlp",
                      flops_per_unit=6.0 * matmul_params, logical_axes=("batch", "mlp"))
@@ -82,10 +96,10 @@ def data(cfg: Config) -> ArrayData:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from jaxtrain.cli.common import add_config_args, cli, config_args, enable_compilation_cache
-    parser = argparse.ArgumentParser(prog="python -m jaxtrain.examples.digits",
+    from jaxtrain.cli.common import add_config_args, cli, config_args, enable_compilation_cache, prog
+    parser = argparse.ArgumentParser(prog=prog("jaxtrain.examples.digits"),
                                      description="Train an MLP classifier on scikit-learn's bundled digits.")
-    add_config_args(parser)
+    add_config_args(parser, default="configs/digits_mlp.yaml")
     args = config_args(parser, sys.argv[1:] if argv is None else argv)
     enable_compilation_cache()
 

@@ -168,11 +168,18 @@ def _parse_table(rules_name: str, raw: dict) -> dict[str, list[Candidate]]:
     for logical, cands in raw.items():
         if not isinstance(cands, list):
             cands = [cands]
+        if not cands:
+            raise ShardingError(f"rules '{rules_name}': logical name '{logical}' has no candidates "
+                                f"(use [null] to replicate it explicitly)")
         parsed: list[Candidate] = []
         for cand in cands:
             if cand is None:
                 parsed.append(None)
                 continue
+            if not (isinstance(cand, str) or (isinstance(cand, list) and cand and all(isinstance(a, str)
+                                                                                      for a in cand))):
+                raise ShardingError(f"rules '{rules_name}': logical name '{logical}': candidate {cand!r} is not a "
+                                    f"mesh axis, a non-empty list of mesh axes, or null")
             axes = (cand,) if isinstance(cand, str) else tuple(cand)
             for ax in axes:
                 if ax not in MESH_AXES:

@@ -47,12 +47,8 @@ def fit(cfg: Config, spec: Optional[ModelSpec] = None, data: Any = None, *,
     if spec is not None and data is None:
         raise ValueError("fit: a ModelSpec needs its data source (e.g. jaxtrain.data.ArrayData)")
     s = setup(cfg, devices, spec=spec, data=data, load_data=True, run_dir=Path(cfg.run.dir).expanduser())
-    run_dir = rundir.prepare(cfg, write_config=False)
-    lock = rundir.RunLock(run_dir, enabled=jax.process_index() == 0)
-    try:
+    with rundir.opened(cfg, lock=jax.process_index() == 0) as run_dir:
         return _fit(s, run_dir, quiet, hooks)
-    finally:
-        lock.release()
 
 
 def _fit(s: Setup, run_dir: Path, quiet: bool, extra: Sequence[Hook]) -> RunResult:

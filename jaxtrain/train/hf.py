@@ -21,17 +21,20 @@ from safetensors.flax import load_file, save_file
 from jaxtrain.checkpoint.checkpointer import Checkpointer, CheckpointError
 from jaxtrain.config import Config, ConfigError, from_dict, load
 from jaxtrain.data import tokenizers
-from jaxtrain.models.family import Family, HFConverter
+from jaxtrain.models.family import HFConverter
 from jaxtrain.train import lm, rundir
 from jaxtrain.train.setup import setup
 
 WEIGHTS_FILE = "model.safetensors"
 
 
-def converter(family: Family) -> HFConverter:
-    """The family's converter. Raises ConfigError when the family has none."""
+def converter(cfg: Config) -> HFConverter:
+    """The converter of ``cfg``'s family. Raises ConfigError when there is none."""
+    if cfg.model.family == "custom":
+        raise ConfigError("model.family: a custom model (jaxtrain.fit with a ModelSpec) has no Hugging Face converter")
+    family = lm.family_of(cfg)
     if family.hf is None:
-        raise ConfigError(f"model.family: '{family.name}' has no Hugging Face converter (models/{family.name}/)")
+        raise ConfigError(f"model.family: '{family.name}' has no Hugging Face converter (its Family has no hf)")
     return family.hf
 
 
@@ -61,7 +64,7 @@ def export(run_dir: Path, out_dir: Path, step: Optional[int] = None) -> Path:
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"export: '{run_dir}' is not a run directory (no config.yaml)")
     cfg = _single_device(load(str(run_dir / "config.yaml")))
-    conv = converter(lm.family_of(cfg))
+    conv = converter(cfg)
     s = setup(cfg, jax.devices()[:1], vocab=_run_vocab(cfg, run_dir))
     ckpt = Checkpointer(cfg, run_dir)
     try:
@@ -84,28 +87,27 @@ def import_hf(hf_dir: Path, cfg: Config, devices=None) -> Path:
     """Writes ``cfg.run.dir`` with a step-0 checkpoint holding the params in ``hf_dir``.
 
     Raises:
-      ConfigError: ``hf_dir`` lacks the files, the run dir already has checkpoints, or the
+      ConfigError: ``hf_dir`` lacks the files, ``run.dir`` is not new or empty (or in use), or the
         tensors do not fit ``cfg.model`` (every problem listed).
     """
     hf_dir = Path(hf_dir)
     if not (hf_dir / WEIGHTS_FILE).is_file():
         raise ConfigError(f"import: no {WEIGHTS_FILE} in '{hf_dir}'")
-    conv = converter(lm.family_of(cfg))
+    conv = converter(cfg)
     tensors = load_file(str(hf_dir / WEIGHTS_FILE))
     vocab = cfg.model.vocab_size or conv.vocab_size(tensors)
     params = conv.from_hf(tensors, lm.model_config(cfg, vocab))  # every mismatch listed before building
     s = setup(cfg, devices, vocab=vocab)
-    run_dir = rundir.prepare(cfg)
-    ckpt = Checkpointer(cfg, run_dir)
-    try:
-        if ckpt.latest_step() is not None:
-            raise ConfigError(f"run.dir: '{run_dir}' already has checkpoints; import into a new run.dir")
-        state = s.fns.init()
-        expected = jax.tree_util.tree_map(lambda x: x.dtype, state["params"])
-        state["params"] = jax.device_put(jax.tree_util.tree_map(lambda x, dt: x.astype(dt), params, expected),
-                                         s.fns.state_shardings["params"])
-        ckpt.save(0, state, {})
-        ckpt.finish()
-    finally:
-        ckpt.close()
+    with rundir.opened(cfg, new=True) as run_dir:  # a new run: nothing of an existing one is touched
+        rundir.write_config_file(cfg, run_dir)
+        ckpt = Checkpointer(cfg, run_dir)
+        try:
+            state = s.fns.init()
+            expected = jax.tree_util.tree_map(lambda x: x.dtype, state["params"])
+            state["params"] = jax.device_put(jax.tree_util.tree_map(lambda x, dt: x.astype(dt), params, expected),
+                                             s.fns.state_shardings["params"])
+            ckpt.save(0, state, {})
+            ckpt.finish()
+        finally:
+            ckpt.close()
     return run_dir

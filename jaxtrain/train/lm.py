@@ -26,7 +26,11 @@ def family_of(cfg: Config) -> Family:
         raise ConfigError(f"model.family: 'custom' is a model built in Python and given to jaxtrain.fit "
                           f"with a ModelSpec; from a config alone these families can be trained: "
                           f"{', '.join(registry.names())}")
-    return registry.get(cfg.model.family)
+    family = registry.get(cfg.model.family)
+    if "vocab_size" not in family.config.model_fields:
+        raise ConfigError(f"model.family: '{family.name}' is trained on text, so its config needs a vocab_size "
+                          f"field (0 = the tokenizer's); {family.config.__name__} has none")
+    return family
 
 
 def resolve_vocab(cfg: Config, vocab: Optional[int], tokenizer_vocab: Optional[int]) -> int:

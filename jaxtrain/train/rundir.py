@@ -5,6 +5,7 @@ Metric rows are written by the sinks (``jaxtrain.metrics.sinks``), checkpoints b
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -12,7 +13,7 @@ import platform
 import sys
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import yaml
 
@@ -26,19 +27,42 @@ STREAM_KEYS = ("data.path", "data.tokenizer", "data.mode", "data.seed", "data.se
                "train.seed")
 
 
-def prepare(cfg: Config, write_config: bool = True) -> Path:
-    """Creates ``run.dir`` and writes ``versions.json`` (and ``config.yaml`` unless told not to).
+@contextlib.contextmanager
+def opened(cfg: Config, new: bool = False, lock: bool = True) -> Iterator[Path]:
+    """Creates (or reopens) ``run.dir``, locks it (:class:`RunLock`) and only then writes ``versions.json``,
+    so a directory in use by another run is never written to. Yields the path; unlocks on exit.
+
+    Args:
+      new: the directory must not exist or be empty (an import starts a new run).
+      lock: take the lock (process 0 of a multi-process run; the others share the directory).
 
     Raises:
-      ConfigError: ``run.dir`` is a file, cannot be created or written, or is a non-empty
-        directory that is not a jaxtrain run directory (so a user's files are never overwritten).
+      ConfigError: ``run.dir`` is a file, cannot be created or written, is in use, is not empty when
+        ``new``, or is a non-empty directory that is not a jaxtrain run directory (so a user's files
+        are never overwritten).
     """
     run_dir = Path(cfg.run.dir).expanduser()
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"run.dir: '{run_dir}' exists and is not a directory")
-    if run_dir.is_dir() and any(run_dir.iterdir()) and not (run_dir / "versions.json").exists():
-        raise ConfigError(f"run.dir: '{run_dir}' is not empty and is not a jaxtrain run directory "
-                          f"(no versions.json); choose a new or empty directory")
+    if run_dir.is_dir() and any(run_dir.iterdir()):
+        if new:
+            raise ConfigError(f"run.dir: '{run_dir}' is not empty; give a new or empty directory")
+        if not (run_dir / "versions.json").exists():
+            raise ConfigError(f"run.dir: '{run_dir}' is not empty and is not a jaxtrain run directory "
+                              f"(no versions.json); choose a new or empty directory")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"run.dir: cannot create '{run_dir}': {err.strerror}") from None
+    held = RunLock(run_dir, enabled=lock)
+    try:
+        _write_versions(run_dir)
+        yield run_dir
+    finally:
+        held.release()
+
+
+def _write_versions(run_dir: Path) -> None:
     versions = {"python": sys.version.split()[0], "platform": platform.platform()}
     for name in PACKAGES:
         try:
@@ -46,13 +70,9 @@ def prepare(cfg: Config, write_config: bool = True) -> Path:
         except metadata.PackageNotFoundError:
             versions[name] = None
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "versions.json").write_text(json.dumps(versions, indent=2) + "\n")
     except OSError as err:
         raise ConfigError(f"run.dir: cannot write to '{run_dir}': {err.strerror}") from None
-    if write_config:
-        write_config_file(cfg, run_dir)
-    return run_dir
 
 
 def write_config_file(cfg: Config, run_dir: Path) -> None:
@@ -93,8 +113,12 @@ def resume_changes(cfg: Config, run_dir: Path) -> tuple[list[str], list[str]]:
         raise ConfigError(f"run.dir: {path} is not valid YAML: {err}") from None
     new = _flat(cfg.to_dict())
     changed = [k for k in new if k in saved and saved[k] != new[k]]
+    if saved.get("model.family", "llama") != cfg.model.family:  # every model key means something else now
+        changed.insert(0, "model.family")
+        saved.setdefault("model.family", "llama")
     # The model keys that fix parameter shapes, dtypes or layout (all model keys if the family says none).
     layout = {f"model.{k}" for k in cfg.model.layout_keys} or {k for k in new if k.startswith("model.")}
+    layout.add("model.family")
     shape_keys = [f"{k}: checkpoint has {saved[k]!r}, config has {new[k]!r}" for k in changed if k in layout]
     notes = [f"{k} changed from {saved[k]!r} to {new[k]!r}" for k in changed if k in STREAM_KEYS]
     old_horizon = saved.get("optimizer.decay_steps") or saved.get("train.steps")

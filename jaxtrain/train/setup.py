@@ -61,6 +61,12 @@ class Setup:
         return {k: jax.ShapeDtypeStruct(lead + tuple(x.shape), x.dtype, sharding=self.fns.batch_sharding)
                 for k, x in example.items()}
 
+    def check_loss(self) -> None:
+        """Traces the loss on one abstract micro-batch (nothing runs): its output's shapes and names
+        are checked before anything is written. Raises ConfigError."""
+        micro = {k: jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for k, x in self.abstract_batch().items()}
+        jax.eval_shape(self.fns.eval_step, self.abstract_state()["params"], micro)
+
     def compile_abstract(self):
         """(compiled train step, abstract state): AOT-compiled from shapes alone."""
         state = self.abstract_state()
@@ -104,7 +110,10 @@ def setup(cfg: Config, devices: Optional[Sequence[jax.Device]] = None, *, spec: 
         model_cfg = lm.model_config(cfg, lm.resolve_vocab(cfg, vocab, tokenizer and tokenizer.vocab_size))
         spec = lm.spec(cfg, family, model_cfg)
     mesh = build_mesh(cfg.mesh, devices)
-    return Setup(cfg, devices, mesh, rules, spec, step.build(cfg, mesh, rules, spec), data, family, model_cfg)
+    s = Setup(cfg, devices, mesh, rules, spec, step.build(cfg, mesh, rules, spec), data, family, model_cfg)
+    if family is None and data is not None:  # a model given in Python: its loss is checked before any run
+        s.check_loss()
+    return s
 
 
 def vocab_for(cfg: Config) -> int:

@@ -17,7 +17,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxtrain.config import Config
+from jaxtrain.config import Config, ConfigError
 from jaxtrain.parallel.activations import activation_sharding
 from jaxtrain.parallel.rules import Rules, ShardingError, path_str, tree_shardings
 from jaxtrain.train.optimizer import lr_schedule, optimizer
@@ -54,6 +54,28 @@ def count_params(params: Any) -> int:
     return sum(x.size for x in jax.tree_util.tree_leaves(params))
 
 
+RESERVED_METRICS = ("loss", "grad_norm", "lr", "nonfinite")  # what the step itself reports
+
+
+def check_loss_output(name: str, loss: Any, aux: Any) -> None:
+    """A loss must return (scalar, {metric name: scalar}), its metrics not named like the step's own.
+
+    Raises:
+      ConfigError: naming the model and what is wrong.
+    """
+    if jnp.ndim(loss) != 0:
+        raise ConfigError(f"model '{name}': the loss must return a scalar first, got shape {jnp.shape(loss)}")
+    if not isinstance(aux, dict):
+        raise ConfigError(f"model '{name}': the loss must return (loss, dict of metrics), got {type(aux).__name__}")
+    reserved = sorted(set(aux) & set(RESERVED_METRICS))
+    if reserved:
+        raise ConfigError(f"model '{name}': the loss's metrics may not be named {', '.join(reserved)} "
+                          f"(the step reports {', '.join(RESERVED_METRICS)} itself)")
+    shaped = {k: jnp.shape(v) for k, v in aux.items() if jnp.ndim(v) != 0}
+    if shaped:
+        raise ConfigError(f"model '{name}': the loss's metrics must be scalars, got shapes {shaped}")
+
+
 def _split(spec: ModelSpec):
     """(graphdef, abstract params, their logical axes); named errors for what cannot be trained."""
     model = nnx.eval_shape(lambda: spec.make(nnx.Rngs(0)))
@@ -63,13 +85,12 @@ def _split(spec: ModelSpec):
         raise ShardingError(f"model '{spec.name}': state that is not an nnx.Param cannot be trained here "
                             f"({', '.join(other[:5])}{', ...' if len(other) > 5 else ''})")
 
-    def axes(var: nnx.Variable) -> tuple:
-        names = var.get_metadata().get("axes")
-        if names is None:
-            raise ShardingError(f"model '{spec.name}': a parameter of shape {var.get_value().shape} has no "
-                                f"logical axis names; create it as nnx.Param(value, axes=(...))")
-        return tuple(names)
-    return graphdef, params, param_tree(params, axes)
+    missing = [f"{path_str(p)} {tuple(v.get_value().shape)}" for p, v in nnx.to_flat_state(params)
+               if v.get_metadata().get("axes") is None]
+    if missing:
+        raise ShardingError(f"model '{spec.name}': parameter(s) without logical axis names: {', '.join(missing)}; "
+                            f"create them as nnx.Param(value, axes=(...)), one name per dimension")
+    return graphdef, params, param_tree(params, lambda v: tuple(v.get_metadata()["axes"]))
 
 
 def build(cfg: Config, mesh: Mesh, rules: Rules, spec: ModelSpec) -> StepFunctions:
@@ -110,6 +131,7 @@ def build(cfg: Config, mesh: Mesh, rules: Rules, spec: ModelSpec) -> StepFunctio
 
     def loss_of(params, micro_batch):
         loss, aux = spec.loss(model_of(params), micro_batch)
+        check_loss_output(spec.name, loss, aux)  # at trace time: shapes and names are static
         return loss, dict(aux)
 
     grad_fn = jax.value_and_grad(loss_of, has_aux=True)

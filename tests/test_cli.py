@@ -44,7 +44,7 @@ def test_console_scripts_are_registered():
     scripts = {e.name: e.value for e in metadata.entry_points(group="console_scripts") if e.name.startswith("jaxtrain")}
     assert scripts == {"jaxtrain-train": "jaxtrain.cli.train:main", "jaxtrain-export": "jaxtrain.cli.export:main",
                        "jaxtrain-plan": "jaxtrain.cli.plan:main", "jaxtrain-explain": "jaxtrain.cli.explain:main",
-                       "jaxtrain-prepare": "jaxtrain.cli.prepare:main",
+                       "jaxtrain-prepare": "jaxtrain.cli.prepare:main", "jaxtrain-report": "jaxtrain.cli.report:main",
                        "jaxtrain-digits": "jaxtrain.examples.digits:main"}
 
 
@@ -60,8 +60,8 @@ def test_metrics_sinks_choose_where_rows_go(small_cfg, capsys):
     assert "step      2 | loss " in capsys.readouterr().out
     assert not (console_only.run_dir / "metrics.jsonl").exists()
     with pytest.raises(ConfigError) as e:
-        small_cfg("metrics.sinks=[console, wandb]")
-    assert str(e.value) == "metrics.sinks: unknown sink 'wandb' (known: console, jsonl)"
+        small_cfg("metrics.sinks=[console, neptune]")
+    assert str(e.value) == "metrics.sinks: unknown sink 'neptune' (known: console, jsonl, tensorboard, mlflow, wandb)"
 
 
 def test_sink_names_in_the_schema_are_the_sinks_there_are():

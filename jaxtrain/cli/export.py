@@ -2,8 +2,9 @@
 
     python -m jaxtrain.export RUN_DIR [--step N] --format safetensors OUT_DIR
     python -m jaxtrain.export --import HF_DIR [--config FILE] [key=value ...]
+    python -m jaxtrain.export RUN_DIR --register NAME [--alias candidate]   # MLflow model registry
 
-See ``jaxtrain.train.hf``.
+See ``jaxtrain.train.hf`` and ``jaxtrain.train.handoff``.
 """
 from __future__ import annotations
 
@@ -22,20 +23,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--config", help="with --import: YAML config or a name in configs/")
     parser.add_argument("--step", type=int, help="checkpoint step to export (default: latest committed)")
     parser.add_argument("--format", default="safetensors", choices=["safetensors"])
+    parser.add_argument("--register", metavar="NAME", help="register the export as a new version of this MLflow "
+                                                           "model (OUT_DIR is then optional)")
+    parser.add_argument("--alias", help="with --register: point this alias (e.g. candidate) at the new version")
+    parser.add_argument("--tracking-uri", help="with --register: the MLflow server (default: the run's "
+                                               "metrics.mlflow_tracking_uri, else $MLFLOW_TRACKING_URI)")
     parser.add_argument("args", nargs="*", help="RUN_DIR OUT_DIR (export) or key=value overrides (--import)")
     a = parser.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
-    if not a.import_dir and len(a.args) != 2:
-        parser.error("export needs RUN_DIR and OUT_DIR")
+    if not a.import_dir and not (len(a.args) == 2 or (a.register and len(a.args) == 1)):
+        parser.error("export needs RUN_DIR and OUT_DIR (or RUN_DIR --register NAME)")
+    if a.alias and not a.register:
+        parser.error("--alias goes with --register")
 
     def body() -> None:
-        from jaxtrain.train import hf
         from jaxtrain.config import load
+        from jaxtrain.train import hf
         if a.import_dir:
             run_dir = hf.import_hf(Path(a.import_dir), load(a.config, a.args))
             print(f"imported {a.import_dir} into {run_dir} (step 0)")
-        else:
+            return
+        if len(a.args) == 2:
             out = hf.export(Path(a.args[0]), Path(a.args[1]), a.step)
             print(f"wrote {out / hf.WEIGHTS_FILE} and {out / 'config.json'}")
+        if a.register:
+            from jaxtrain.train.handoff import register
+            v = register(Path(a.args[0]), a.register, a.alias, a.step, a.tracking_uri)
+            alias = f", alias '{a.alias}'" if a.alias else ""
+            print(f"registered {a.register} version {v.version} (step {v.tags['jaxtrain.step']}{alias})")
     return cli(body)
 
 

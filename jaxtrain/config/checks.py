@@ -59,6 +59,8 @@ def check_consistency(cfg: "Config") -> None:
     unknown = [s for s in cfg.metrics.sinks if s not in SINKS]
     if unknown:
         raise ConfigError(f"metrics.sinks: unknown sink '{unknown[0]}' (known: {', '.join(SINKS)})")
+    if len(set(cfg.metrics.sinks)) != len(cfg.metrics.sinks):
+        raise ConfigError(f"metrics.sinks: a sink named twice in {cfg.metrics.sinks}")
     cfg.model.check(cfg)
 
 

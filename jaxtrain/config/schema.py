@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, field_validat
 from jaxtrain.errors import InputError
 
 MESH_AXES = ("data", "fsdp", "tensor", "sequence", "expert")
-SINKS = ("console", "jsonl")  # metrics.sinks (jaxtrain.metrics.sinks)
+SINKS = ("console", "jsonl", "tensorboard", "mlflow", "wandb")  # metrics.sinks (jaxtrain.metrics.sinks)
 DEFAULT_FAMILY = "llama"
 
 
@@ -163,9 +163,13 @@ class RunConfig(_Section):
 
 
 class MetricsConfig(_Section):
-    """Where metric rows go (``jaxtrain.metrics.sinks``)."""
+    """Where metric rows go (``jaxtrain.metrics.sinks``); process 0 writes them."""
 
-    sinks: list[str] = ["console", "jsonl"]
+    sinks: list[str] = ["console", "jsonl"]  # any of SINKS
+    mlflow_tracking_uri: Optional[str] = None  # the mlflow sink's server; default $MLFLOW_TRACKING_URI
+    mlflow_experiment: str = "jaxtrain"
+    wandb_project: str = "jaxtrain"
+    wandb_mode: Literal["offline", "online"] = "offline"  # offline: files in RUN_DIR/wandb, nothing sent
 
 
 class ProfileConfig(_Section):

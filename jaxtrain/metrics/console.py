@@ -5,7 +5,8 @@ import contextlib
 from typing import Optional
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn,
+                           TimeRemainingColumn)
 from rich.table import Table
 
 
@@ -20,11 +21,12 @@ def format_flops(flops_per_s: Optional[float]) -> str:
 
 
 class Reporter:
-    """Prints to stdout; ``quiet`` turns off only the progress bar (lines are always printed)."""
+    """Prints to stdout. On a terminal it also shows a progress bar (not when ``quiet``) and
+    spinners for slow phases; elsewhere (a log file, CI) only plain lines are printed."""
 
-    def __init__(self, quiet: bool, total: int):
-        self.console = Console(stderr=False, highlight=False)
-        self.quiet = quiet
+    def __init__(self, quiet: bool, total: int, console: Optional[Console] = None):
+        self.console = console or Console(stderr=False, highlight=False)
+        self.quiet = quiet or not self.console.is_terminal
         self.total = total
         self._progress: Optional[Progress] = None
         self._task = None
@@ -44,17 +46,34 @@ class Reporter:
         if self.quiet or start >= self.total:
             yield
             return
-        self._progress = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                                  TextColumn("eta"), TimeRemainingColumn(), console=self.console,
-                                  transient=True)
-        self._task = self._progress.add_task("train", total=self.total, completed=start)
+        self._progress = Progress(SpinnerColumn(), TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+                                  TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                                  TextColumn("{task.fields[stats]}"),
+                                  console=self.console, transient=True)
+        self._task = self._progress.add_task("train", total=self.total, completed=start, stats="")
         with self._progress:
             yield
         self._progress = None
 
-    def advance(self, step: int) -> None:
+    def advance(self, step: int, stats: Optional[str] = None) -> None:
+        """Moves the bar to ``step``; ``stats`` (e.g. 'loss 1.2345 | 12,000 tokens/s') replaces its text."""
         if self._progress is not None:
-            self._progress.update(self._task, completed=step)
+            fields = {} if stats is None else {"stats": stats}
+            self._progress.update(self._task, completed=step, **fields)
+
+    @contextlib.contextmanager
+    def status(self, message: str):
+        """``message`` with a spinner while the block runs: in the progress bar when it is up, else on
+        its own line (on a terminal only; elsewhere nothing is shown)."""
+        if self._progress is not None:
+            self._progress.update(self._task, stats=f"{message}...")
+            yield
+            self._progress.update(self._task, stats="")
+        elif self.quiet:
+            yield
+        else:
+            with self.console.status(message):
+                yield
 
     def text(self, title: str, text: str) -> None:
         """``title:`` then ``text`` verbatim (no markup), e.g. a generated sample."""

@@ -46,19 +46,20 @@ def fit(cfg: Config, spec: Optional[ModelSpec] = None, data: Any = None, *,
     """
     if spec is not None and data is None:
         raise ValueError("fit: a ModelSpec needs its data source (e.g. jaxtrain.data.ArrayData)")
-    s = setup(cfg, devices, spec=spec, data=data, load_data=True, run_dir=Path(cfg.run.dir).expanduser())
-    with rundir.opened(cfg, lock=jax.process_index() == 0) as run_dir:
-        return _fit(s, run_dir, quiet, hooks)
-
-
-def _fit(s: Setup, run_dir: Path, quiet: bool, extra: Sequence[Hook]) -> RunResult:
-    cfg, data = s.cfg, s.data
     out = Reporter(quiet=quiet or not cfg.run.progress, total=cfg.train.steps)
+    with out.status("checking the config, loading the data"):
+        s = setup(cfg, devices, spec=spec, data=data, load_data=True, run_dir=Path(cfg.run.dir).expanduser())
+    with rundir.opened(cfg, lock=jax.process_index() == 0) as run_dir:
+        return _fit(s, run_dir, out, hooks)
+
+
+def _fit(s: Setup, run_dir: Path, out: Reporter, extra: Sequence[Hook]) -> RunResult:
+    cfg, data = s.cfg, s.data
     if data.tokenizer is not None:
         tokenizers.save(data.tokenizer, run_dir)
     for line in data.info:
         out.info(line)
-    sinks = Sinks(cfg, run_dir, out, s.spec.unit)
+    sinks = Sinks(cfg, run_dir, out, s.spec.unit, primary=jax.process_index() == 0)
     result = RunResult(run_dir=run_dir)
     loop: Optional[Loop] = None
 

@@ -13,10 +13,9 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from jaxtrain.metrics import memory
 from jaxtrain.checkpoint.checkpointer import Checkpointer
 from jaxtrain.errors import JaxtrainError
-from jaxtrain.metrics import flops
+from jaxtrain.metrics import flops, memory
 from jaxtrain.metrics.profile import StepProfiler
 from jaxtrain.train import preempt
 from jaxtrain.train.loop import Hook, Loop
@@ -100,35 +99,43 @@ class NonFiniteGuard(Hook):
 class LogMetrics(Hook):
     """Every ``train.log_every`` steps (and the last): one train row, the loop's only host sync.
 
-    ``step_time_s`` is the mean wall time per step since the previous row; ``<unit>_per_sec``
-    and ``mfu`` follow from it (``jaxtrain.metrics.flops``).
+    ``step_time_s`` is the mean wall time per training step since the previous row, leaving out
+    what the loop did besides training (evaluations, checkpoint saves: reported as their own
+    ``eval_time_s`` and ``checkpoint_block_s``) and the compile (``compile_s``, on the first row);
+    waiting for batches is part of it and shown as ``data_wait_s``, seconds per step.
+    ``<unit>_per_sec`` and ``mfu`` follow from ``step_time_s`` (``jaxtrain.metrics.flops``).
     """
 
     def __init__(self, peak: Optional[float]):
-        self.peak, self.t_last, self.s_last = peak, time.perf_counter(), 0
+        self.peak, self.t_last, self.s_last, self.first = peak, time.perf_counter(), 0, True
+        self.waited = self.paused = self.blocked = 0.0  # the loop's totals at the previous row
 
     def on_start(self, loop: Loop) -> None:
         self.s_last = loop.start
 
     def on_compile(self, loop: Loop, compiled: Any, seconds: float) -> None:
-        self.t_last = time.perf_counter()
+        self.t_last = time.perf_counter()  # the first batch's wait stays in: it belongs to step 1
 
     def after_step(self, loop: Loop, step: int, metrics: dict) -> None:
         if step % loop.cfg.train.log_every and not loop.is_last(step):
             return
         m = jax.device_get(metrics)
         now = time.perf_counter()
-        spec, t = loop.setup.spec, loop.cfg.train
-        dt = (now - self.t_last) / (step - self.s_last)
+        spec, t, n = loop.setup.spec, loop.cfg.train, step - self.s_last
+        dt = (now - self.t_last - (loop.paused_s - self.paused)) / n
         rate = t.global_batch * spec.units_per_example / dt
         skipped = loop.result.nonfinite_steps + (int(m["nonfinite"]) if loop.uncounted_flag is not None else 0)
         row = {"loss": float(m.pop("loss")), "lr": float(m.pop("lr")), "grad_norm": float(m.pop("grad_norm")),
                f"{spec.unit}_per_sec": rate, "step_time_s": dt, "mfu": flops.mfu(rate, spec.flops_per_unit, self.peak),
-               "nonfinite_steps": skipped}
+               "nonfinite_steps": skipped, "data_wait_s": (loop.data_wait_s - self.waited) / n,
+               "checkpoint_block_s": loop.checkpoint_block_s - self.blocked}
+        if self.first:
+            row["compile_s"], self.first = loop.result.compile_s, False
         m.pop("nonfinite")
         row.update({k: float(v) for k, v in m.items()})  # the loss's own metrics (aux)
         loop.record(step, row)
         self.t_last, self.s_last = time.perf_counter(), step
+        self.waited, self.paused, self.blocked = loop.data_wait_s, loop.paused_s, loop.checkpoint_block_s
 
 
 class Evaluate(Hook):
@@ -156,16 +163,23 @@ class Checkpointing(Hook):
 
     def after_step(self, loop: Loop, step: int, metrics: dict) -> None:
         ckpt = self.ckpt
-        if loop.stopping or ckpt.due(step, final=step == loop.cfg.train.steps):
-            if loop.cfg.checkpoint.keep_best and loop.last_eval.get("step") != step:
-                loop.evaluate(step)  # best-K needs this step's metric
+        saving = loop.stopping or ckpt.due(step, final=step == loop.cfg.train.steps)
+        if saving and loop.cfg.checkpoint.keep_best and loop.last_eval.get("step") != step:
+            loop.evaluate(step)  # best-K needs this step's metric
+        if saving:
+            jax.block_until_ready(loop.state)  # the steps in flight are training time, not the save's
+        t0 = time.perf_counter()
+        if saving:
             at_step = loop.last_eval.get("step") == step
-            ckpt.save(step, loop.state, loop.batches.get_state(),
-                      {k: v for k, v in loop.last_eval.items() if k != "step"} if at_step else {})
+            metrics_now = {k: v for k, v in loop.last_eval.items() if k not in ("step", "eval_time_s")}
+            ckpt.save(step, loop.state, loop.batches.get_state(), metrics_now if at_step else {})
         ckpt.poll()
         if loop.stopping:  # let the save commit before the process exits
             ckpt.wait()
             loop.committed = ckpt.latest_step()
+        blocked = time.perf_counter() - t0
+        loop.paused_s += blocked
+        loop.checkpoint_block_s += blocked
 
     def on_end(self, loop: Loop, ok: bool) -> None:
         if ok:
@@ -189,14 +203,21 @@ class Profile(Hook):
 
 
 class Progress(Hook):
-    """The rich progress bar (``run.progress``; off when quiet)."""
+    """The rich progress bar on a terminal (``run.progress``): step/total, elapsed, ETA, and the latest
+    loss, throughput and MFU."""
 
     def on_start(self, loop: Loop) -> None:
         self._bar = loop.out.progress(loop.start)
         self._bar.__enter__()
 
     def after_step(self, loop: Loop, step: int, metrics: dict) -> None:
-        loop.out.advance(step)
+        row = loop.result.rows[-1] if loop.result.rows else {}
+        rate = f"{loop.setup.spec.unit}_per_sec"
+        stats = None
+        if row.get("step") == step and rate in row:
+            mfu = f" | MFU {100 * row['mfu']:.1f}%" if row.get("mfu") is not None else ""
+            stats = f"loss {row['loss']:.4f} | {row[rate]:,.0f} {loop.setup.spec.unit}/s{mfu}"
+        loop.out.advance(step, stats)
 
     def on_end(self, loop: Loop, ok: bool) -> None:
         if hasattr(self, "_bar"):

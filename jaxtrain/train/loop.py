@@ -54,6 +54,11 @@ class Loop:
     last_eval: dict = field(default_factory=dict)  # {'step', 'val_loss', ...} of the latest evaluation
     committed: Optional[int] = None  # the latest committed checkpoint step, when checkpointing
     uncounted_flag: Any = None  # the current step's non-finite flag until the guard has counted it
+    # Seconds, summed since the start: waiting for batches, and loop time that was not training
+    # (evaluation, checkpoint saves); train rows report per-interval differences of these.
+    data_wait_s: float = 0.0
+    paused_s: float = 0.0
+    checkpoint_block_s: float = 0.0
 
     @property
     def cfg(self):
@@ -68,16 +73,21 @@ class Loop:
         self.result.rows.append({"step": step, **values})
 
     def evaluate(self, step: int, record: bool = True) -> dict:
-        """Evaluates the current params on the validation batches; returns (and records) ``{'val_<k>'}``.
+        """Evaluates the current params on the validation batches; returns (and records) ``{'val_<k>'}``
+        and ``eval_time_s`` (wall seconds, after the train steps in flight finished; not training time).
 
         Each batch's metrics are weighted by its ``weight`` (e.g. its loss-mask tokens).
         """
+        jax.block_until_ready(self.state)  # the steps in flight are training time, not evaluation
+        t0 = time.perf_counter()
         params, eval_step = self.state["params"], self.setup.fns.eval_step
         n = next(iter(self.val.values())).shape[0]
         outs = jax.device_get([eval_step(params, {k: v[i] for k, v in self.val.items()}) for i in range(n)])
         w = np.asarray([o.pop("weight") for o in outs], np.float64)
         keys = ["loss", *sorted(k for k in outs[0] if k != "loss")]
         row = {f"val_{k}": float(np.average([o[k] for o in outs], weights=w)) for k in keys}
+        row["eval_time_s"] = time.perf_counter() - t0
+        self.paused_s += row["eval_time_s"]
         if record:
             self.record(step, row)
             self.last_eval = {"step": step, **row}
@@ -110,10 +120,13 @@ def train_loop(loop: Loop, hooks: Sequence[Hook]) -> None:
         for hook in hooks:
             hook.on_start(loop)
         for step in range(loop.start + 1, loop.cfg.train.steps + 1):
+            t0 = time.perf_counter()
             batch = next(loop.batches)
+            loop.data_wait_s += time.perf_counter() - t0
             if step_fn is None:  # compile on the first real batch, timed, for the hooks to report
                 t0 = time.perf_counter()
-                step_fn = loop.setup.fns.train_step.lower(loop.state, batch).compile()
+                with loop.out.status("compiling the train step"):
+                    step_fn = loop.setup.fns.train_step.lower(loop.state, batch).compile()
                 loop.result.compile_s = time.perf_counter() - t0
                 for hook in hooks:
                     hook.on_compile(loop, step_fn, loop.result.compile_s)

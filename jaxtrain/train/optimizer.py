@@ -29,3 +29,11 @@ def optimizer(cfg: Config, param_axes) -> optax.GradientTransformation:
     return optax.chain(
         optax.clip_by_global_norm(o.clip_norm),
         optax.adamw(lr_schedule(cfg), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay))
+
+
+def applied_count(opt_state) -> jax.Array:
+    """How many updates the optimizer has applied: the learning-rate schedule's own step (a skipped
+    non-finite step does not advance it, so ``lr_schedule(cfg)(applied_count(opt_state))`` is the
+    rate the next update will use)."""
+    is_count = lambda x: isinstance(x, optax.ScaleByScheduleState)  # noqa: E731
+    return next(s.count for s in jax.tree_util.tree_leaves(opt_state, is_leaf=is_count) if is_count(s))

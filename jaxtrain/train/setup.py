@@ -26,6 +26,7 @@ from jaxtrain import data as datalib
 from jaxtrain.checkpoint.checkpointer import abstract_like
 from jaxtrain.config import Config, ConfigError, check_against_mesh
 from jaxtrain.data import tokenizers
+from jaxtrain.metrics import sinks
 from jaxtrain.models.family import Family
 from jaxtrain.parallel.mesh import build_mesh, resolve_sizes
 from jaxtrain.parallel.rules import Rules, check_mesh_used
@@ -91,6 +92,7 @@ def setup(cfg: Config, devices: Optional[Sequence[jax.Device]] = None, *, spec: 
     devices = list(devices) if devices is not None else jax.devices()
     sizes = resolve_sizes(cfg.mesh, len(devices))
     check_against_mesh(cfg, sizes, devices[0].platform)
+    sinks.check(cfg)
     rules = Rules.from_config(cfg.sharding)
     check_mesh_used(rules, sizes)
     if spec is not None and cfg.model.family != "custom":

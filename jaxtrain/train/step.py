@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtrain.config import Config, ConfigError
 from jaxtrain.parallel.activations import activation_sharding
 from jaxtrain.parallel.rules import Rules, ShardingError, path_str, tree_shardings
-from jaxtrain.train.optimizer import lr_schedule, optimizer
+from jaxtrain.train.optimizer import applied_count, lr_schedule, optimizer
 from jaxtrain.train.spec import ModelSpec
 
 
@@ -173,7 +173,10 @@ def build(cfg: Config, mesh: Mesh, rules: Rules, spec: ModelSpec) -> StepFunctio
 
             params, opt_state = jax.lax.cond(finite, update, lambda p, o: (p, o),
                                              state["params"], state["opt_state"])
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(cfg)(state["step"]),
+        # The rate this step applied (or would have, if skipped): the optimizer's own count, which a
+        # skipped step does not advance, not the step counter.
+        lr = lr_schedule(cfg)(applied_count(state["opt_state"]))
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr,
                    "nonfinite": (~finite).astype(jnp.int32), **aux}
         new_state = {"params": params, "opt_state": opt_state, "step": state["step"] + 1, "rng": state["rng"]}
         return new_state, metrics

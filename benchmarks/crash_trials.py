@@ -81,13 +81,22 @@ def _kill_after(proc: subprocess.Popen, delay: float) -> None:
 
 
 def run_trials(trials: int, workdir: Path, data: str, steps: int = 40, seed: int = 0,
-               log=print) -> dict:
-    """Runs the trials; returns a summary dict (``failures`` lists what went wrong)."""
+               log=print, timeout: float | None = None) -> dict:
+    """Runs the trials; returns a summary dict (``failures`` lists what went wrong).
+
+    ``timeout``: seconds any one trainer process may run; one that runs longer is killed and
+    RuntimeError is raised with its output (so a hung trainer cannot hang a test run).
+    """
     rng = random.Random(seed)
     env = environment()
     ref_dir = workdir / "reference"
     t0 = time.monotonic()
-    ref = subprocess.run(command(ref_dir, data, steps), env=env, cwd=REPO, capture_output=True, text=True)
+    try:
+        ref = subprocess.run(command(ref_dir, data, steps), env=env, cwd=REPO, capture_output=True, text=True,
+                             timeout=timeout)
+    except subprocess.TimeoutExpired as err:  # run() has killed it
+        out = f"{err.stdout or ''}{err.stderr or ''}"[-3000:]
+        raise RuntimeError(f"reference run still running after {timeout} s:\n{out}") from None
     ref_time = time.monotonic() - t0
     if ref.returncode:
         raise RuntimeError(f"reference run failed:\n{ref.stderr[-3000:]}")
@@ -127,7 +136,13 @@ def run_trials(trials: int, workdir: Path, data: str, steps: int = 40, seed: int
         reader = threading.Thread(target=read, daemon=True)
         reader.start()
         if last:
-            proc.wait()
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                reader.join(timeout=10)
+                raise RuntimeError(f"final run still running after {timeout} s:\n{''.join(lines)[-3000:]}") from None
         elif rng.random() < 0.2:  # some kills during start-up, restore or compile
             delay = rng.uniform(0.5, 4.0)
             when = f"{delay:.1f} s after start"

@@ -1,4 +1,4 @@
-"""Shared test set-up: 8 simulated CPU devices, the persistent compile cache, small configs."""
+"""Shared test set-up: 8 simulated CPU devices, the persistent compile cache, small configs, a GCS emulator."""
 import os
 from pathlib import Path
 
@@ -41,6 +41,31 @@ def small_cfg(tmp_path, corpus_path):
     def make(*overrides: str, run_dir: str = "run"):
         return cfglib.load(None, [*SMALL, f"data.path={corpus_path}", f"run.dir={tmp_path / run_dir}", *overrides])
     return make
+
+
+@pytest.fixture(scope="session")
+def gcs_server(tmp_path_factory):
+    """One fake-gcs-server (tests/gcs_server.py) for the session; stopped by its PID at the end."""
+    from gcs_server import GcsServer
+    server = GcsServer(tmp_path_factory.mktemp("gcs") / "server.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def gcs(gcs_server, monkeypatch):
+    """The emulator's environment for one test (restored after it); yields the server.
+
+    gcsfs picks its class from the env at import and fsspec/epath cache its instances, so the
+    flavour is checked and the caches are dropped on the way in and out.
+    """
+    from gcs_server import check_gcsfs_flavour, forget_gcs_clients
+    for key, value in gcs_server.env().items():
+        monkeypatch.setenv(key, value)
+    check_gcsfs_flavour()
+    forget_gcs_clients()
+    yield gcs_server
+    forget_gcs_clients()
 
 
 def put_windows(windows, sharding):

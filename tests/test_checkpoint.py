@@ -85,7 +85,8 @@ def test_shape_mismatch_lists_every_path(fsdp8_run, capsys):
 
 
 def test_dtypes_and_structure_survive(small_cfg):
-    cfg = small_cfg("model.param_dtype=bfloat16", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2")
+    cfg = small_cfg("model.param_dtype=bfloat16", "optimizer.master_weights=false",  # bf16 in the state
+                    "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2")
     trainer = trainer_on(cfg, jax.devices()[:4])
     state = trainer.fns.init()
     state["step"] = jax.device_put(jnp.int32(16777217), state["step"].sharding)  # not representable in f32

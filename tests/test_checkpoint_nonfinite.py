@@ -58,3 +58,48 @@ def test_too_many_nonfinite_steps_stop_the_run(small_cfg, monkeypatch, capsys):
     # The CLI resumes at 6 (on 8 devices now), fails the same way, exit code 3.
     assert train_cli.main(["--config", cfg.run.dir + "/config.yaml", "mesh.data=-1"]) == 3
     assert "train.max_nonfinite_steps: 3 steps in a row (steps 7..9)" in capsys.readouterr().err
+
+
+def _poison(monkeypatch, train_from=None, val=False):
+    """A loss that is NaN on token 255; training batches from index ``train_from`` on, and/or every
+    validation window, are made of it (shakespeare's bytes never are)."""
+    train_dataset, val_batches, cross_entropy = (windowslib.train_dataset, windowslib.val_batches,
+                                                 familylib.masked_cross_entropy)
+
+    def poisoned(logits, targets, mask):
+        loss, weight = cross_entropy(logits, targets, mask)
+        return loss + jnp.where(jnp.any(targets == 255), jnp.nan, 0.0), weight
+    monkeypatch.setattr(familylib, "masked_cross_entropy", poisoned)
+    if train_from is not None:
+        monkeypatch.setattr(windowslib, "train_dataset", lambda *a: train_dataset(*a).map_with_index(
+            lambda i, b: np.full_like(b, 255) if i >= train_from else b))
+    if val:
+        monkeypatch.setattr(windowslib, "val_batches", lambda *a: np.full_like(val_batches(*a), 255))
+
+
+def test_a_run_that_skipped_every_step_fails(small_cfg, monkeypatch):
+    _poison(monkeypatch, train_from=0)
+    cfg = small_cfg("train.steps=4", "checkpoint.every=2", "train.max_nonfinite_steps=100", "mesh.data=1")
+    with pytest.raises(NonFiniteError) as err:
+        fit(cfg, devices=jax.devices()[:1], quiet=True)
+    assert err.value.exit_code == 3
+    assert str(err.value) == ("every step of this run (1..4) had a non-finite loss or gradient and was skipped; stopping. "
+            f"The last good checkpoint is step 4 in {cfg.run.dir}/checkpoints")
+    ckpt = ckptlib.Checkpointer(cfg, cfg.run.dir)
+    assert list(ckpt.committed()) == [2, 4]  # the untouched init params, and the data position
+    ckpt.close()
+
+
+def test_a_nonfinite_validation_loss_fails_and_is_never_saved(small_cfg, monkeypatch):
+    _poison(monkeypatch, val=True)
+    cfg = small_cfg("train.steps=6", "train.eval_every=2", "checkpoint.every=1", "mesh.data=1")
+    with pytest.raises(NonFiniteError) as err:
+        fit(cfg, devices=jax.devices()[:1], quiet=True)
+    assert str(err.value) == ("the validation loss is nan at step 2: the run diverged; stopping. The last good checkpoint is "
+            f"step 1 in {cfg.run.dir}/checkpoints")
+    ckpt = ckptlib.Checkpointer(cfg, cfg.run.dir)
+    assert list(ckpt.committed()) == [1]
+    ckpt.close()
+    rows = [r for r in map(__import__("json").loads, open(cfg.run.dir + "/metrics.jsonl")) if "val_loss" in r]
+    assert [r["step"] for r in rows] == [2] and np.isnan(rows[0]["val_loss"])
+

@@ -21,8 +21,10 @@ def s3_server(tmp_path_factory):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    own = Path(sys.executable).parent / "moto_server"  # this environment's, not another one on PATH
+    own = Path(sys.executable).parent / "moto_server"  # this environment's first, not another one on PATH
     exe = str(own) if own.exists() else shutil.which("moto_server")
+    if exe is None:
+        pytest.fail(f"moto_server is neither in {own.parent} nor on PATH (pip install 'moto[server]')")
     log = open(tmp_path_factory.mktemp("moto") / "moto.log", "w")
     proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT)
     endpoint = f"http://127.0.0.1:{port}"
@@ -42,7 +44,11 @@ def s3_server(tmp_path_factory):
     s3fs.S3FileSystem(endpoint_url=endpoint).mkdir("ckpts")
     yield endpoint
     proc.terminate()
-    proc.wait(timeout=10)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
     log.close()
     for k, v in saved.items():
         if v is None:

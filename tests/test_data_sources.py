@@ -204,42 +204,26 @@ def test_byte_tokenizer_keeps_specials_out_of_bytes():
     assert tok.decode([256, 104, 105, 257]) == "hi"
 
 
-def test_object_store_paths_through_epath(tmp_path, monkeypatch):
-    """gs:// globs, reads, cache writes and cache reads, with epath pointed at a local 'bucket' folder."""
+def test_object_store_paths_on_a_gcs_emulator(gcs, tmp_path, monkeypatch):
+    """gs:// globs, reads, cache writes and cache reads through epath/gcsfs against fake-gcs-server."""
     from jaxtrain.cli import prepare
-    bucket = tmp_path / "bucket"
-    (bucket / "corpus").mkdir(parents=True)
-
-    class FakeGcs:  # the part of etils.epath.Path that jaxtrain uses, over a local folder
-        def __init__(self, url):
-            self.url = url.rstrip("/")
-            self.local = bucket / self.url.split("://", 1)[1].partition("/")[2]
-
-        def __str__(self):
-            return self.url
-
-        def __truediv__(self, name):
-            return FakeGcs(f"{self.url}/{name}")
-
-        def glob(self, pattern):
-            return [self / str(p.relative_to(self.local)) for p in sorted(self.local.glob(pattern))]
-
-        def mkdir(self, parents=False, exist_ok=False):
-            self.local.mkdir(parents=parents, exist_ok=exist_ok)
-
-        def __getattr__(self, name):  # exists, read_bytes, read_text, write_bytes, write_text
-            return getattr(self.local, name)
-
-    monkeypatch.setattr(sources, "_epath", FakeGcs)
+    bucket, fs = gcs.new_bucket("data"), gcs.fs()
     monkeypatch.setenv("JAXTRAIN_DATA_CACHE", str(tmp_path / "local-cache"))
     for i in range(2):
-        write_jsonl(bucket / "corpus" / f"part-{i}.jsonl", [{"text": f"shard {i} doc {j} " * 5} for j in range(20)])
-    assert sources.expand("gs://b/corpus/part-*.jsonl") == [f"gs://b/corpus/part-{i}.jsonl" for i in range(2)]
-    direct = datalib.load(cfg_of("data.path=gs://b/corpus/part-*.jsonl"))
-    assert prepare.main(["data.path=gs://b/corpus/part-*.jsonl", "--out", "gs://b/cache", "--no-progress"]) == 0
-    assert sorted(p.name for p in (bucket / "cache").iterdir())[0] == "cache.json"
-    assert store.is_cache("gs://b/cache")
-    cached = datalib.load(cfg_of("data.path=gs://b/cache"))
+        docs = [{"text": f"shard {i} doc {j} " * 5} for j in range(20)]
+        fs.pipe_file(f"{bucket}/corpus/part-{i}.jsonl", "".join(json.dumps(d) + "\n" for d in docs).encode())
+    fs.pipe_file(f"{bucket}/corpus/notes.txt", b"not part of the glob")
+    src, out = f"gs://{bucket}/corpus/part-*.jsonl", f"gs://{bucket}/cache"
+    assert sources.expand(src) == [f"gs://{bucket}/corpus/part-{i}.jsonl" for i in range(2)]
+    direct = datalib.load(cfg_of(f"data.path={src}"))
+    assert prepare.main([f"data.path={src}", "--out", out, "--no-progress"]) == 0
+    objects = {p.rsplit("/", 1)[-1]: fs.info(p)["generation"] for p in fs.find(f"{bucket}/cache")}
+    assert {store.CACHE_META, "lengths.u32"} < set(objects), sorted(objects)
+    last = max(objects, key=lambda name: int(objects[name]))
+    assert last == store.CACHE_META  # the index is written last: a reader never sees a partial cache
+    assert store.is_cache(out) and not store.is_cache(f"gs://{bucket}/corpus")
+    cached = datalib.load(cfg_of(f"data.path={out}"))
+    assert direct.schedule.rows_per_epoch() == cached.schedule.rows_per_epoch() > 0
     for g in range(direct.schedule.rows_per_epoch()):
         a, b = direct.schedule.row(g), cached.schedule.row(g)
         assert all((a[k] == b[k]).all() for k in a)

@@ -3,6 +3,7 @@ import json
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors import safe_open
@@ -31,6 +32,9 @@ def test_export_names_layouts_and_exact_round_trip(small_cfg, tmp_path, tied):
     extra = ("model.vocab_size=256", f"model.tie_embeddings={str(tied).lower()}")
     cfg = small_cfg(*extra, "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2", "model.param_dtype=bfloat16")
     run_dir, params = saved_run(cfg, jax.devices()[:4])
+    # The run keeps float32 masters of its bf16 params; export writes them as bf16.
+    assert {x.dtype for x in jax.tree_util.tree_leaves(params)} == {np.dtype(np.float32)}
+    params = jax.tree_util.tree_map(lambda x: np.asarray(x).astype(jnp.bfloat16).astype(np.float32), params)
     out = tmp_path / "hf"
     assert export_cli.main([str(run_dir), "--step", "3", "--format", "safetensors", str(out)]) == 0
 
@@ -62,7 +66,7 @@ def test_export_names_layouts_and_exact_round_trip(small_cfg, tmp_path, tied):
     if not tied:
         np.testing.assert_array_equal(t["lm_head.weight"], f32(params["lm_head"]).T)
 
-    # Import into a new run on another mesh: step 0 holds exactly the same params.
+    # Import into a new run on another mesh: step 0 holds exactly the exported params (as float32 masters).
     cfg2 = small_cfg(*extra, "mesh.data=1", "mesh.fsdp=8", "model.param_dtype=bfloat16", run_dir="imported")
     exportlib.import_hf(out, cfg2)
     ckpt = ckptlib.Checkpointer(cfg2, cfg2.run.dir)

@@ -1,35 +1,88 @@
-"""Preemption (SIGTERM to a training subprocess) and a short crash-trial series (SIGKILL)."""
+"""Preemption (SIGTERM to a training subprocess) and a short crash-trial series (SIGKILL).
+
+Every read of and wait for a child has a deadline: on expiry the child is killed and the test fails
+with what it printed, so a hung trainer cannot hang the test run. No assertion is on wall time.
+"""
 import importlib.util
 import json
+import queue
 import re
 import signal
 import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("crash_trials", REPO / "benchmarks" / "crash_trials.py")
 crash_trials = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(crash_trials)
 
+DEADLINE_S = 240  # generous: compiling on 2 busy cores can take a minute
+
+
+class Child:
+    """A trainer subprocess whose merged stdout/stderr a thread collects, so reads can time out."""
+
+    def __init__(self, cmd):
+        self.proc = subprocess.Popen(cmd, env=crash_trials.environment(), cwd=REPO, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+        self.lines, self._new = [], queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            self._new.put(line)
+        self._new.put(None)  # EOF
+
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def fail(self, why: str):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            why += "; the child was killed"
+        self.proc.wait(timeout=30)
+        self._reader.join(timeout=10)
+        pytest.fail(f"{why}. Its output:\n{self.output()[-6000:]}")
+
+    def wait_for_line(self, prefix: str, timeout: float = DEADLINE_S) -> None:
+        end = time.monotonic() + timeout
+        while (left := end - time.monotonic()) > 0:
+            try:
+                line = self._new.get(timeout=left)
+            except queue.Empty:
+                break
+            if line is None:
+                self.fail(f"the child exited (code {self.proc.wait(timeout=30)}) before printing {prefix!r}")
+            if line.startswith(prefix):
+                return
+        self.fail(f"no line starting with {prefix!r} within {timeout} s")
+
+    def finish(self, timeout: float = DEADLINE_S) -> str:
+        """Waits for the exit and the last output; returns all of it."""
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.fail(f"still running {timeout} s later")
+        self._reader.join(timeout=30)
+        return self.output()
+
 
 def test_sigterm_saves_commits_exits_zero_and_rerun_resumes(tmp_path, corpus_path):
     run_dir, steps = tmp_path / "run", 400
     cmd = crash_trials.command(run_dir, corpus_path, steps) + ["checkpoint.every=1000",
                                                                "checkpoint.grace_period_s=20"]
-    proc = subprocess.Popen(cmd, env=crash_trials.environment(), cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if line.startswith("step      3 |"):
-            break
-    proc.send_signal(signal.SIGTERM)
-    t0 = time.monotonic()
-    rest, _ = proc.communicate(timeout=60)
-    out = "".join(lines) + rest
-    assert proc.returncode == 0, out
-    assert time.monotonic() - t0 < 20
+    child = Child(cmd)
+    child.wait_for_line("step      3 |")
+    child.proc.send_signal(signal.SIGTERM)
+    out = child.finish()
+    assert child.proc.returncode == 0, out
     stop = re.search(r"SIGTERM: stopped after step (\d+); checkpoint committed; rerun to resume", out)
     assert stop, out
     n = int(stop.group(1))
@@ -38,17 +91,11 @@ def test_sigterm_saves_commits_exits_zero_and_rerun_resumes(tmp_path, corpus_pat
     assert [s for s, _ in first] == list(range(1, n + 1))
 
     # The same command resumes (SIGINT this time) and its losses continue the first run's exactly.
-    proc = subprocess.Popen(cmd, env=crash_trials.environment(), cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if line.startswith(f"step {n + 3:>6} |"):
-            break
-    proc.send_signal(signal.SIGINT)
-    rest, _ = proc.communicate(timeout=60)
-    out = "".join(lines) + rest
-    assert proc.returncode == 0, out
+    child = Child(cmd)
+    child.wait_for_line(f"step {n + 3:>6} |")
+    child.proc.send_signal(signal.SIGINT)
+    out = child.finish()
+    assert child.proc.returncode == 0, out
     assert f"resumed from {run_dir / 'checkpoints'}/{n}\n" in out
     m = int(re.search(r"SIGINT: stopped after step (\d+); checkpoint committed", out).group(1))
     assert crash_trials.committed(run_dir) == [n, m]
@@ -57,21 +104,23 @@ def test_sigterm_saves_commits_exits_zero_and_rerun_resumes(tmp_path, corpus_pat
 
 
 def test_sigkill_trials_resume_from_latest_commit(tmp_path, corpus_path):
-    summary = crash_trials.run_trials(2, tmp_path, corpus_path, steps=16, seed=3, log=lambda _: None)
+    summary = crash_trials.run_trials(2, tmp_path, corpus_path, steps=16, seed=3, log=lambda _: None,
+                                      timeout=DEADLINE_S)
     assert summary["failures"] == [], json.dumps(summary)
     assert summary["loss_rows_checked"] >= 16 and summary["sigkills"] >= 1
 
 
 def test_grace_period_expiry_exits_75():
+    # The child would sleep 30 s; exit code 75 and the message show the grace period ended it first.
     code = ("import os, signal, time\n"
             "from jaxtrain.train.preempt import Preemption\n"
             "with Preemption(grace_period_s=0.5):\n"
             "    os.kill(os.getpid(), signal.SIGTERM)\n"
             "    time.sleep(30)  # a save that never commits\n")
-    import sys
-    t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 75
-    assert time.monotonic() - t0 < 20
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=DEADLINE_S)
+    except subprocess.TimeoutExpired as err:  # run() has killed it
+        pytest.fail(f"still running after {DEADLINE_S} s:\n{err.stdout or ''}{err.stderr or ''}")
+    assert proc.returncode == 75, proc.stderr
     assert proc.stderr.strip() == ("error: checkpoint.grace_period_s=0.5 s passed after SIGTERM before the "
                                    "checkpoint committed; exiting (the latest committed checkpoint is intact)")

@@ -4,6 +4,7 @@ import pytest
 from jaxtrain import config as cfglib
 from jaxtrain.metrics import memory
 from jaxtrain.train import setup
+from jaxtrain.train.optimizer import HYPERPARAMETERS
 from jaxtrain.train.step import count_params
 
 from conftest import SMALL
@@ -13,7 +14,7 @@ HD = D // H
 # Embedding and untied head, then per layer wq, wo (D*D each), wk, wv (D*KV*HD each),
 # three SwiGLU matrices and two norm scales; the final norm.
 N_PARAMS = 2 * V * D + D + L * (2 * D * D + 2 * D * KV * HD + 3 * D * FF + 2 * D)
-COUNTERS = 2 * 4  # two int32 step counters in the optax state (clip + adamw), replicated
+COUNTERS = 4  # the int32 update count of Adam in the optax state, replicated
 
 
 def report(rules: str, mesh: tuple[str, ...]):
@@ -44,7 +45,8 @@ def test_compiled_arguments_are_the_sharded_state_and_batch():
     got = memory.state_report(abstract, s.fns.state_shardings, compiled)
     step_and_rng = 4 + 8  # int32 step, uint32[2] key data (replicated)
     batch = 3 * 1 * 1 * 32 * 4  # inputs, targets, loss_mask: [1, 8, 32] int32, 1 row of 8 per device
-    assert got.compiled["argument"] == rep.params + rep.opt_state + step_and_rng + batch
+    hparams = 4 * len(HYPERPARAMETERS)  # the optimizer's traced float32 scalars (replicated)
+    assert got.compiled["argument"] == rep.params + rep.opt_state + step_and_rng + batch + hparams
     assert got.compiled["alias"] == rep.params + rep.opt_state + step_and_rng  # the donated state
     assert got.compiled["peak"] >= got.compiled["argument"] and got.compiled["temp"] > 0
     assert got.summary().startswith(f"memory per device: params {memory.fmt_bytes(rep.params)}, ")

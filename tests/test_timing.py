@@ -1,5 +1,6 @@
 """Honest metrics: step time covers training only (evaluation, saves, compile and data waits reported
 apart), the logged lr is the one applied after a skipped step, and skipped steps are counted once."""
+import json
 import time
 
 import jax
@@ -10,7 +11,7 @@ import pytest
 from jaxtrain.checkpoint.checkpointer import Checkpointer
 from jaxtrain.data import windows as windowslib
 from jaxtrain.models import family as familylib
-from jaxtrain.train import Hook, fit, setup
+from jaxtrain.train import Hook, NonFiniteError, fit, setup
 
 
 class Slow(Hook):
@@ -84,6 +85,8 @@ def test_logged_lr_is_the_applied_lr_after_a_skipped_step(small_cfg, monkeypatch
 def test_every_step_skipped_is_counted_once(small_cfg, monkeypatch):
     poison_first_batches(monkeypatch, 100)
     cfg = small_cfg("train.steps=6", "train.max_nonfinite_steps=7", "mesh.data=1", "checkpoint.enabled=false")
-    result = fit(cfg, devices=jax.devices()[:1], quiet=True)
-    assert [r["nonfinite_steps"] for r in result.rows if "loss" in r] == [1, 2, 3, 4, 5, 6]
-    assert result.nonfinite_steps == 6
+    with pytest.raises(NonFiniteError) as err:  # a run that trained nothing is a failed run
+        fit(cfg, devices=jax.devices()[:1], quiet=True)
+    assert str(err.value).startswith("every step of this run (1..6) had a non-finite loss or gradient")
+    rows = [json.loads(line) for line in open(f"{cfg.run.dir}/metrics.jsonl")]
+    assert [r["nonfinite_steps"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5, 6]

@@ -33,6 +33,19 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True)
 
 
+def _path_key(key: str):
+    """A 'before' validator of the path key ``section.field``: ``file://`` made local, unsupported
+    schemes refused naming the key (``jaxtrain.config.paths``)."""
+    def check(cls, value: Any) -> Any:
+        from jaxtrain.config.paths import normalize
+        if isinstance(value, str):
+            return normalize(key, value)
+        if isinstance(value, dict):  # data.mixture: {path: weight}
+            return {normalize(key, k) if isinstance(k, str) else k: v for k, v in value.items()}
+        return value
+    return field_validator(key.split(".")[1], mode="before")(classmethod(check))
+
+
 class ModelConfig(_Section):
     """Base of every ``model:`` section; a family's config class subclasses it.
 
@@ -87,6 +100,7 @@ Candidate = Optional[Union[str, list[str]]]
 
 class ShardingConfig(_Section):
     rules: str = "fsdp_tp"  # a name in sharding_rules/ or a path to a YAML file
+    _rules_path = _path_key("sharding.rules")
     allow_fallback: bool = False  # replicate indivisible dims (reported) instead of failing
     # {logical name: [candidates]} added to (or replacing) the rule file's entries, e.g. for the
     # logical names of a custom model: {classes: [null]}
@@ -111,6 +125,9 @@ class DataConfig(_Section):
     bos_token: str = ""  # "" = the tokenizer's usual name (<s>, <|begin_of_text|>, ...)
     eos_token: str = ""
     prefetch: int = 4  # batches assembled ahead by Grain threads (document modes)
+    _path = _path_key("data.path")
+    _mixture = _path_key("data.mixture")
+    _tokenizer_path = _path_key("data.tokenizer_path")
 
 
 class OptimizerConfig(_Section):
@@ -125,6 +142,10 @@ class OptimizerConfig(_Section):
     eps: float = 1e-8
     weight_decay: float = 0.1
     clip_norm: float = 1.0
+    # Low-precision params (model.param_dtype=bfloat16): keep float32 master weights and Adam
+    # moments, the model computing with the bf16 cast. false: pure bf16 training (updates below
+    # a weight's bf16 resolution are lost; a warning is logged).
+    master_weights: bool = True
 
 
 class TrainConfig(_Section):
@@ -155,11 +176,13 @@ class CheckpointConfig(_Section):
     grace_period_s: float = 30.0  # SIGTERM/SIGINT: finish the step, save, commit, exit 0 within this
     dir: Optional[str] = None  # local path, gs://bucket/path or s3://bucket/path; default RUN_DIR/checkpoints
     s3_endpoint: Optional[str] = None  # S3-compatible endpoint URL; default $AWS_ENDPOINT_URL, else AWS
+    _dir = _path_key("checkpoint.dir")
 
 
 class RunConfig(_Section):
     dir: str = "runs/default"
     progress: bool = True  # rich progress bar with ETA
+    _dir = _path_key("run.dir")
 
 
 class MetricsConfig(_Section):

@@ -1,7 +1,8 @@
 """Per-device memory accounting: state bytes from the shardings, program bytes from XLA.
 
 Which bytes are counted (all per device, in bytes):
-  * ``params``: every parameter leaf in its ``param_dtype``, as sharded;
+  * ``params``: every parameter leaf in its stored dtype (float32 masters for bf16 params
+    unless ``optimizer.master_weights=false``), as sharded;
   * ``grads``: one gradient per parameter, same dtype and sharding as the parameter (the
     step casts gradients to the parameter dtype and constrains them to the parameter
     sharding; the float32 accumulation buffer of gradient accumulation is a temporary and

@@ -5,7 +5,7 @@ safetensors out of a run and into a new one (``hf``).
 ``python -m jaxtrain.train`` is the command line (``jaxtrain.cli.train``).
 """
 from jaxtrain.train.fit import fit
-from jaxtrain.train.hooks import NonFiniteError
+from jaxtrain.train.loop import NonFiniteError
 from jaxtrain.train.loop import Hook, RunResult
 from jaxtrain.train.setup import Setup, setup
 from jaxtrain.train.spec import ModelSpec

@@ -42,7 +42,8 @@ def fit(cfg: Config, spec: Optional[ModelSpec] = None, data: Any = None, *,
 
     Raises:
       ConfigError, DataError, ShardingError, CheckpointError: bad input, before anything is
-        compiled or written. NonFiniteError: too many non-finite steps in a row.
+        compiled or written. NonFiniteError: the run diverged (too many non-finite steps in a
+        row, every step skipped, or a non-finite validation loss); the last good checkpoint is kept.
     """
     if spec is not None and data is None:
         raise ValueError("fit: a ModelSpec needs its data source (e.g. jaxtrain.data.ArrayData)")
@@ -81,8 +82,12 @@ def _fit(s: Setup, run_dir: Path, out: Reporter, extra: Sequence[Hook]) -> RunRe
         val = jax.device_put(data.val, NamedSharding(s.mesh, P(None, *s.fns.batch_sharding.spec[1:])))
         peak, peak_src = flops.total_peak_flops(cfg, s.devices)
         out.info(describe_run(s, state, peak, peak_src))
-        loop = Loop(s, state, batches, val, sinks, out, result, start)
-        hooks = [H.CompileReport(), H.StopOnSignal(), H.NonFiniteGuard(ckpt), H.LogMetrics(peak), H.Evaluate(),
+        if s.fns.low_precision:
+            out.info(f"[yellow]warning:[/] optimizer.master_weights=false: {len(s.fns.low_precision)} low-precision "
+                     f"parameters (e.g. {s.fns.low_precision[0]}) and their Adam moments are updated in place; "
+                     f"updates below a weight's resolution are lost")
+        loop = Loop(s, state, batches, val, sinks, out, result, start, ckpt=ckpt)
+        hooks = [H.CompileReport(), H.StopOnSignal(), H.NonFiniteGuard(), H.LogMetrics(peak), H.Evaluate(),
                  *([H.Checkpointing(ckpt)] if ckpt else []), H.Profile(StepProfiler(cfg, run_dir)), H.Progress()]
         if data.tokenizer is not None:
             hooks.append(H.Sample(data.tokenizer, getattr(data, "bos_id", None)))

@@ -76,7 +76,8 @@ def export(run_dir: Path, out_dir: Path, step: Optional[int] = None) -> Path:
         ckpt.close()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(conv.to_hf(state["params"], s.model_config), str(out_dir / WEIGHTS_FILE),
+    params = s.fns.model_params(state["params"])  # float32 masters -> the model's param_dtype
+    save_file(conv.to_hf(params, s.model_config), str(out_dir / WEIGHTS_FILE),
               metadata={"format": "pt", "jaxtrain_step": str(step)})
     hf_config = conv.hf_config(s.model_config, cfg.data.seq_len)
     (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")

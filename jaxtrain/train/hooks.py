@@ -14,18 +14,11 @@ import jax
 import numpy as np
 
 from jaxtrain.checkpoint.checkpointer import Checkpointer
-from jaxtrain.errors import JaxtrainError
 from jaxtrain.metrics import flops, memory
 from jaxtrain.metrics.profile import StepProfiler
 from jaxtrain.train import preempt
-from jaxtrain.train.loop import Hook, Loop
+from jaxtrain.train.loop import Hook, Loop, stop_diverged
 from jaxtrain.train.sample import generate
-
-
-class NonFiniteError(JaxtrainError):
-    """``train.max_nonfinite_steps`` steps in a row had a non-finite loss or gradient."""
-
-    exit_code = 3
 
 
 class CompileReport(Hook):
@@ -61,13 +54,14 @@ class StopOnSignal(Hook):
 
 
 class NonFiniteGuard(Hook):
-    """Counts skipped (non-finite) steps; raises NonFiniteError after ``train.max_nonfinite_steps`` in a row.
+    """Counts skipped (non-finite) steps; raises NonFiniteError after ``train.max_nonfinite_steps`` in a
+    row, or at the end of a run whose every step was skipped.
 
     A step's flag is read one step late, so the host never waits on the step just dispatched.
     """
 
-    def __init__(self, ckpt: Optional[Checkpointer]):
-        self.ckpt, self.in_a_row, self.pending = ckpt, 0, None
+    def __init__(self):
+        self.in_a_row, self.pending = 0, None
 
     def after_step(self, loop: Loop, step: int, metrics: dict) -> None:
         if self.pending is not None:
@@ -76,6 +70,14 @@ class NonFiniteGuard(Hook):
         if loop.is_last(step):
             self._count(loop, int(self.pending), step)
             self.pending = loop.uncounted_flag = None
+        self.last = step
+
+    def on_end(self, loop: Loop, ok: bool) -> None:
+        """A run that trained nothing at all failed (after its rows and final save are written)."""
+        last = getattr(self, "last", loop.start)
+        if ok and not loop.result.preempted and last > loop.start and loop.result.nonfinite_steps == last - loop.start:
+            stop_diverged(loop.ckpt, f"every step of this run ({loop.start + 1}..{last}) had a non-finite "
+                                     f"loss or gradient and was skipped")
 
     def _count(self, loop: Loop, flag: int, step: int) -> None:
         if not flag:
@@ -85,15 +87,9 @@ class NonFiniteGuard(Hook):
         self.in_a_row += 1
         limit = loop.cfg.train.max_nonfinite_steps
         if self.in_a_row >= limit:
-            last = None
-            if self.ckpt:
-                self.ckpt.wait()  # a save already started holds unchanged params: let it commit
-                last = self.ckpt.latest_step()
-            where = f"step {last} in {self.ckpt.store.url}" if last is not None else "none (no checkpoint saved)"
-            raise NonFiniteError(
-                f"train.max_nonfinite_steps: {self.in_a_row} steps in a row (steps {step - self.in_a_row + 1}.."
-                f"{step}) had a non-finite loss or gradient and were skipped; stopping. The last good checkpoint "
-                f"is {where}")
+            stop_diverged(loop.ckpt, f"train.max_nonfinite_steps: {self.in_a_row} steps in a row (steps "
+                                     f"{step - self.in_a_row + 1}..{step}) had a non-finite loss or gradient and "
+                                     f"were skipped")
 
 
 class LogMetrics(Hook):

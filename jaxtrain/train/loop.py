@@ -14,9 +14,28 @@ from typing import Any, Iterator, Optional, Sequence
 import jax
 import numpy as np
 
+from jaxtrain.errors import JaxtrainError
 from jaxtrain.metrics.console import Reporter
 from jaxtrain.metrics.sinks import Sinks
 from jaxtrain.train.setup import Setup
+
+
+class NonFiniteError(JaxtrainError):
+    """The run diverged: ``train.max_nonfinite_steps`` steps in a row had a non-finite loss or
+    gradient, every step of the run was skipped, or the validation loss is not finite."""
+
+    exit_code = 3
+
+
+def stop_diverged(ckpt: Any, message: str) -> None:
+    """Lets a save already under way commit (it holds params from before the divergence), then raises
+    :class:`NonFiniteError` with ``message`` and the last good checkpoint."""
+    last = None
+    if ckpt is not None:
+        ckpt.wait()
+        last = ckpt.latest_step()
+    where = f"step {last} in {ckpt.store.url}" if last is not None else "none (no checkpoint saved)"
+    raise NonFiniteError(f"{message}; stopping. The last good checkpoint is {where}")
 
 
 @dataclass
@@ -59,6 +78,7 @@ class Loop:
     data_wait_s: float = 0.0
     paused_s: float = 0.0
     checkpoint_block_s: float = 0.0
+    ckpt: Any = None  # the run's Checkpointer (None: checkpoint.enabled=false)
 
     @property
     def cfg(self):
@@ -77,6 +97,9 @@ class Loop:
         and ``eval_time_s`` (wall seconds, after the train steps in flight finished; not training time).
 
         Each batch's metrics are weighted by its ``weight`` (e.g. its loss-mask tokens).
+
+        Raises:
+          NonFiniteError: the validation loss is NaN or infinite (recorded first; nothing more is saved).
         """
         jax.block_until_ready(self.state)  # the steps in flight are training time, not evaluation
         t0 = time.perf_counter()
@@ -91,6 +114,8 @@ class Loop:
         if record:
             self.record(step, row)
             self.last_eval = {"step": step, **row}
+        if not np.isfinite(row["val_loss"]):
+            stop_diverged(self.ckpt, f"the validation loss is {row['val_loss']} at step {step}: the run diverged")
         return row
 
 
@@ -140,5 +165,11 @@ def train_loop(loop: Loop, hooks: Sequence[Hook]) -> None:
         ok = True
     finally:
         loop.result.state = loop.state
-        for hook in hooks:
-            hook.on_end(loop, ok)
+        error = None
+        for hook in hooks:  # every hook ends (closes its files) even if one of them raises
+            try:
+                hook.on_end(loop, ok)
+            except Exception as err:  # noqa: BLE001 - re-raised below, the first one wins
+                error = error or err
+        if error is not None and ok:
+            raise error

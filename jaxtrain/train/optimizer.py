@@ -1,39 +1,74 @@
-"""AdamW with global-norm clipping and a warmup-cosine learning rate (``optimizer.*`` keys)."""
+"""AdamW with global-norm clipping and a warmup-cosine learning rate (``optimizer.*`` keys).
+
+Every hyperparameter is a traced input of the compiled step (:func:`hyperparameters`), not a
+constant baked into it: a new ``optimizer.lr``, ``min_lr``, ``warmup_steps``, ``decay_steps``
+(or ``train.steps``), ``b1``, ``b2``, ``eps``, ``weight_decay`` or ``clip_norm`` reuses the same
+compiled step (in the process, and from the persistent compile cache across runs).
+"""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from jaxtrain.config import Config
 
+HYPERPARAMETERS = ("lr", "min_lr", "warmup_steps", "decay_steps", "b1", "b2", "eps", "weight_decay", "clip_norm")
 
-def lr_schedule(cfg: Config) -> optax.Schedule:
-    """Linear warmup to ``lr`` over ``warmup_steps``, then cosine to ``min_lr`` at ``decay_steps`` (1/step)."""
+
+def hyperparameters(cfg: Config) -> dict[str, jax.Array]:
+    """``{name: scalar}`` of :data:`HYPERPARAMETERS`, the step's traced optimizer inputs.
+
+    Weakly typed float32 (like a Python float), so they never promote bf16 moments or params
+    when ``optimizer.master_weights=false``.
+    """
     o = cfg.optimizer
-    base = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=o.lr, warmup_steps=o.warmup_steps,
-        decay_steps=max(cfg.decay_steps, o.warmup_steps + 1), end_value=o.min_lr)
-    # Step s (0-based) trains with base(s + 1), so the first step already moves (nanoGPT's get_lr).
-    return lambda count: base(count + 1)
+    values = {k: getattr(o, k) for k in HYPERPARAMETERS}
+    values["decay_steps"] = max(cfg.decay_steps, o.warmup_steps + 1)
+    return {k: jnp.asarray(float(v)) for k, v in values.items()}
 
 
-def optimizer(cfg: Config, param_axes) -> optax.GradientTransformation:
-    """Global-norm clipping then AdamW (Loshchilov & Hutter 2019).
+def learning_rate(h: dict, count) -> jax.Array:
+    """The rate of update number ``count`` (0-based; float32).
 
+    Linear warmup from 0 to ``lr`` over ``warmup_steps``, then a cosine from ``lr`` to ``min_lr``
+    reached at ``decay_steps`` (optax's ``warmup_cosine_decay_schedule``; cosine annealing,
+    Loshchilov & Hutter 2017). Update ``count`` uses the schedule at ``count + 1``, so the first
+    step already moves (nanoGPT's ``get_lr``).
+    """
+    s = jnp.asarray(count, jnp.float32) + 1.0
+    lr, min_lr, warm, decay = h["lr"], h["min_lr"], h["warmup_steps"], h["decay_steps"]
+    warmup = lr * s / jnp.maximum(warm, 1.0)
+    progress = jnp.clip((s - warm) / (decay - warm), 0.0, 1.0)
+    cosine = min_lr + (lr - min_lr) * 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
+    return jnp.where(s < warm, warmup, cosine)
+
+
+def lr_schedule(cfg: Config):
+    """``count -> rate`` for ``cfg`` (for reports and tests; the step uses :func:`learning_rate`)."""
+    h = hyperparameters(cfg)
+    return lambda count: learning_rate(h, count)
+
+
+def optimizer(h: dict, param_axes, count=None) -> optax.GradientTransformation:
+    """Global-norm clipping then AdamW (Loshchilov & Hutter 2019), from hyperparameters ``h``
+    (concrete or traced; the optimizer state's structure does not depend on them).
+
+    ``count``: the update number, for the learning rate (None: ``lr``, enough for ``init``).
     Weight decay applies to matrices only: parameters with two or more logical dimensions
     besides a stacked ``layers`` dim (``param_axes``: the params' pytree of logical-name tuples).
     """
-    o = cfg.optimizer
     decay = jax.tree_util.tree_map(lambda axes: sum(a != "layers" for a in axes) >= 2, param_axes,
                                    is_leaf=lambda x: isinstance(x, tuple))
+    lr = h["lr"] if count is None else learning_rate(h, count)
     return optax.chain(
-        optax.clip_by_global_norm(o.clip_norm),
-        optax.adamw(lr_schedule(cfg), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay))
+        optax.clip_by_global_norm(h["clip_norm"]),
+        optax.adamw(lr, b1=h["b1"], b2=h["b2"], eps=h["eps"], weight_decay=h["weight_decay"], mask=decay))
 
 
 def applied_count(opt_state) -> jax.Array:
-    """How many updates the optimizer has applied: the learning-rate schedule's own step (a skipped
-    non-finite step does not advance it, so ``lr_schedule(cfg)(applied_count(opt_state))`` is the
-    rate the next update will use)."""
-    is_count = lambda x: isinstance(x, optax.ScaleByScheduleState)  # noqa: E731
-    return next(s.count for s in jax.tree_util.tree_leaves(opt_state, is_leaf=is_count) if is_count(s))
+    """How many updates the optimizer has applied: Adam's own count (a skipped non-finite step
+    does not advance it, so ``learning_rate(h, applied_count(opt_state))`` is the rate the next
+    update will use)."""
+    is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)  # noqa: E731
+    return next(s.count for s in jax.tree_util.tree_leaves(opt_state, is_leaf=is_adam) if is_adam(s))

@@ -3,8 +3,15 @@
 State is a plain pytree ``{'params', 'opt_state', 'step', 'rng'}``. Parameters
 are created directly in their sharded layout (the init is jitted with
 ``out_shardings``), so no device ever holds the whole model. The step is
-jitted once with explicit in/out shardings and donated state; the learning
-rate is computed from the traced step inside it, so nothing recompiles.
+jitted once with explicit in/out shardings and donated state. The optimizer's
+hyperparameters are a traced third argument (``jaxtrain.train.optimizer``), so a
+new learning rate, schedule, betas, weight decay or clip never recompiles.
+
+Mixed precision: when the model declares low-precision floating parameters (e.g.
+``model.param_dtype=bfloat16``) and ``optimizer.master_weights`` is true (the default), the
+state holds float32 master copies and float32 Adam moments, and the model sees the params
+cast to its declared dtypes inside the step (MaxText's weight_dtype/dtype split; apex's
+master weights). Otherwise bf16 rounding swallows updates smaller than the weight's ulp.
 """
 from __future__ import annotations
 
@@ -20,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtrain.config import Config, ConfigError
 from jaxtrain.parallel.activations import activation_sharding
 from jaxtrain.parallel.rules import Rules, ShardingError, path_str, tree_shardings
-from jaxtrain.train.optimizer import applied_count, lr_schedule, optimizer
+from jaxtrain.train.optimizer import applied_count, hyperparameters, learning_rate, optimizer
 from jaxtrain.train.spec import ModelSpec
 
 
@@ -32,10 +39,38 @@ class StepFunctions:
     batch_sharding: NamedSharding  # of every [grad_accum, micro_batch, ...] field of a batch dict
     param_axes: Any  # the params' pytree of logical-name tuples
     init: Callable  # () -> state
-    train_step: Callable  # (state, {field: [accum, micro, ...]}) -> (state, metrics)
+    train_step: "TrainStep"  # (state, {field: [accum, micro, ...]}[, hparams]) -> (state, metrics)
     grads: Callable  # (params, batch) -> (loss, aux metrics, grads): the step's gradient, without the update
     eval_step: Callable  # (params, {field: [micro, ...]}) -> {'loss', 'weight', <aux metrics>}
     apply: Callable  # (params, inputs) -> model(inputs), e.g. logits [batch, length, vocab] for sampling
+    model_dtypes: Any  # the params' pytree of the dtypes the model declares (the stored ones may be float32)
+    low_precision: list  # paths of low-precision parameters trained without float32 masters (a warning)
+
+    def model_params(self, params: Any) -> Any:
+        """``params`` in the dtypes the model declares (e.g. bf16 for export), from float32 masters."""
+        return jax.tree_util.tree_map(lambda x, dt: x.astype(dt), params, self.model_dtypes)
+
+
+class TrainStep:
+    """A jitted (or lowered, or compiled) train step with the config's hyperparameters bound as its
+    third argument: ``step(state, batch)`` uses them, ``step(state, batch, hparams)`` others (a
+    dict like ``optimizer.hyperparameters(cfg)``: the same compiled code). ``lower(...).compile()``
+    keeps them bound; anything else (``as_text``, ``memory_analysis``) is the wrapped object's."""
+
+    def __init__(self, inner: Any, hparams: dict):
+        self.inner, self.hparams = inner, hparams
+
+    def __call__(self, state, batch, hparams=None):
+        return self.inner(state, batch, self.hparams if hparams is None else hparams)
+
+    def lower(self, state, batch, hparams=None) -> "TrainStep":
+        return TrainStep(self.inner.lower(state, batch, self.hparams if hparams is None else hparams), self.hparams)
+
+    def compile(self) -> "TrainStep":
+        return TrainStep(self.inner.compile(), self.hparams)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
 
 
 def param_tree(abstract_params: nnx.State, fn: Callable[[nnx.Variable], Any]) -> dict:
@@ -101,7 +136,13 @@ def build(cfg: Config, mesh: Mesh, rules: Rules, spec: ModelSpec) -> StepFunctio
                       f"model '{spec.name}'")
     shapes = param_tree(abstract_params, lambda v: v.get_value())
     param_sh = tree_shardings(rules, mesh, shapes, axes)
-    tx = optimizer(cfg, axes)
+    model_dtypes = param_tree(abstract_params, lambda v: v.get_value().dtype)
+    master = cfg.optimizer.master_weights
+    stored = jax.tree_util.tree_map(lambda dt: jnp.dtype(jnp.float32) if master and _low(dt) else dt, model_dtypes)
+    low_precision = [path_str(p) for p, dt in jax.tree_util.tree_flatten_with_path(model_dtypes)[0]
+                     if _low(dt) and not master]
+    h0 = hyperparameters(cfg)
+    tx = optimizer(h0, axes)  # for the state's structure and init; the step builds it from traced values
     replicated = NamedSharding(mesh, P())
     micro_spec = rules.spec("batch", ("batch",), (cfg.micro_batch,), mesh)  # the batch dim of every field
     batch_sh = NamedSharding(mesh, P(None, *micro_spec))
@@ -109,7 +150,8 @@ def build(cfg: Config, mesh: Mesh, rules: Rules, spec: ModelSpec) -> StepFunctio
 
     def make_params(key):
         model = spec.make(nnx.Rngs(params=key, default=jax.random.fold_in(key, 2)))
-        return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        return jax.tree_util.tree_map(lambda x, dt: x.astype(dt), params, stored)  # float32 masters
 
     abstract_opt = jax.eval_shape(lambda: tx.init(jax.eval_shape(make_params, jax.random.key(0))))
     opt_rules = rules.for_optimizer()  # e.g. zero1: params replicated, moments sharded
@@ -125,6 +167,7 @@ def build(cfg: Config, mesh: Mesh, rules: Rules, spec: ModelSpec) -> StepFunctio
                 "rng": jax.random.key_data(jax.random.fold_in(key, 1))}
 
     def model_of(params):
+        params = jax.tree_util.tree_map(lambda x, dt: x.astype(dt), params, model_dtypes)  # masters -> bf16
         state = jax.tree_util.tree_map(lambda x: x, abstract_params)  # fresh Variables
         nnx.replace_by_pure_dict(state, params)
         return nnx.merge(graphdef, state)
@@ -155,7 +198,8 @@ def build(cfg: Config, mesh: Mesh, rules: Rules, spec: ModelSpec) -> StepFunctio
         mean = lambda x: (w * x).sum() / total  # noqa: E731
         return mean(losses), jax.tree_util.tree_map(mean, aux), jax.tree_util.tree_map(lambda g: g / total, grad_sum)
 
-    def step_fn(state, batch):
+    def step_fn(state, batch, h):
+        count = applied_count(state["opt_state"])  # updates applied so far: a skipped step is not one
         with activation_sharding(rules, mesh):
             loss, aux, grads = gradients(state["params"], batch)
             grads = jax.tree_util.tree_map(lambda g, p: g.astype(p.dtype), grads, state["params"])
@@ -168,14 +212,14 @@ def build(cfg: Config, mesh: Mesh, rules: Rules, spec: ModelSpec) -> StepFunctio
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
             def update(params, opt_state):
-                updates, opt_state = tx.update(grads, opt_state, params)
+                updates, opt_state = optimizer(h, axes, count).update(grads, opt_state, params)
                 return optax.apply_updates(params, updates), opt_state
 
             params, opt_state = jax.lax.cond(finite, update, lambda p, o: (p, o),
                                              state["params"], state["opt_state"])
         # The rate this step applied (or would have, if skipped): the optimizer's own count, which a
         # skipped step does not advance, not the step counter.
-        lr = lr_schedule(cfg)(applied_count(state["opt_state"]))
+        lr = learning_rate(h, count)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr,
                    "nonfinite": (~finite).astype(jnp.int32), **aux}
         new_state = {"params": params, "opt_state": opt_state, "step": state["step"] + 1, "rng": state["rng"]}
@@ -198,9 +242,16 @@ def build(cfg: Config, mesh: Mesh, rules: Rules, spec: ModelSpec) -> StepFunctio
     return StepFunctions(
         state_shardings=state_sh, batch_sharding=batch_sh, param_axes=axes,
         init=jax.jit(init_fn, out_shardings=state_sh),
-        train_step=jax.jit(step_fn, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
-                           donate_argnums=(0,)),
+        train_step=TrainStep(jax.jit(step_fn, in_shardings=(state_sh, batch_sh, replicated),
+                                     out_shardings=(state_sh, replicated), donate_argnums=(0,)),
+                             jax.device_put(h0, replicated)),
         grads=jax.jit(grads_fn, in_shardings=(param_sh, batch_sh)),
         eval_step=jax.jit(eval_fn, in_shardings=(param_sh, eval_sh), out_shardings=replicated),
         apply=jax.jit(apply, in_shardings=(param_sh, None)),
+        model_dtypes=model_dtypes, low_precision=low_precision,
     )
+
+
+def _low(dtype) -> bool:
+    """A floating dtype narrower than float32 (bfloat16, float16, float8...)."""
+    return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize < 4

@@ -1,0 +1,53 @@
+"""Where each path key of the config may point, checked when the config is read.
+
+A local path is always accepted, and ``file:///abs/path`` (or ``file://localhost/abs/path``)
+is the same local path. Remote storage is accepted only by the keys whose code can read and
+write it (``gs://`` through TensorStore/gcsfs, ``s3://`` through s3fs); any other scheme is a
+:class:`ConfigError` naming the key and the schemes it supports, before anything is built.
+"""
+from __future__ import annotations
+
+import re
+from urllib.parse import unquote
+
+from jaxtrain.config.schema import ConfigError
+
+REMOTE = ("gs", "s3")
+# key -> the remote schemes it supports (none: local only)
+SCHEMES: dict[str, tuple[str, ...]] = {
+    "checkpoint.dir": REMOTE, "data.path": REMOTE, "data.mixture": REMOTE,
+    "data.tokenizer_path": (), "run.dir": (), "sharding.rules": (),
+}
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$", re.S)
+
+
+def supported(key: str) -> str:
+    """``'a local path, file://, gs:// or s3://'`` for ``key``."""
+    names = ["a local path", "file://", *(f"{s}://" for s in SCHEMES[key])]
+    return ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def normalize(key: str, value: str) -> str:
+    """``value`` as the config keeps it: a ``file://`` URL becomes its local path; a local path or a
+    supported remote URL is kept as given.
+
+    Raises:
+      ConfigError: ``'<key>: unsupported storage scheme ...'`` naming what ``key`` supports, or a
+        ``file://`` URL that is not absolute.
+    """
+    m = _URL.match(value)
+    if not m:
+        return value
+    scheme, rest = m.group(1).lower(), m.group(2)
+    if scheme == "file":
+        if rest.startswith("localhost/"):
+            rest = rest[len("localhost"):]
+        if not rest.startswith("/"):
+            raise ConfigError(f"{key}: '{value}' is not a local file URL; write file:///absolute/path")
+        return unquote(rest)
+    if scheme in SCHEMES[key] and rest.strip("/"):
+        return value
+    if scheme in SCHEMES[key]:
+        raise ConfigError(f"{key}: '{value}' names no bucket")
+    raise ConfigError(f"{key}: unsupported storage scheme '{scheme}://' in '{value}'; "
+                      f"{key} takes {supported(key)}")

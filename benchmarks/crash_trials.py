@@ -1,6 +1,6 @@
 """Crash trials: SIGKILL the trainer at random moments, resume, and check nothing was lost or corrupted.
 
-    python benchmarks/crash_trials.py --trials 20 [--seed 0] [--workdir DIR] [--data FILE]
+    python benchmarks/crash_trials.py --trials 50 [--seed 0] [--slow-checksum 0.3] [--workdir DIR] [--data FILE]
 
 One uninterrupted reference run gives the loss at every step. Then each trial
 starts (or resumes) the same command in one run directory, kills it with
@@ -10,6 +10,10 @@ next start resumes from exactly the latest committed step. When a run
 completes, the directory is reset. At the end every loss row written by every
 process must equal the reference loss at that step, bit for bit. Prints one
 line per trial and a summary; exit code 1 on any failure.
+
+``--slow-checksum S`` makes every file checksum of the trainer (after a save, and before a
+restore) sleep S seconds first and print when it starts and ends, as a large checkpoint would
+take, so that many kills land during the integrity check; the summary counts them.
 """
 from __future__ import annotations
 
@@ -34,9 +38,32 @@ SMALL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_
          "run.progress=false", "mesh.data=1", "checkpoint.every=2", "checkpoint.keep=2"]
 
 
-def command(run_dir: Path, data: str, steps: int) -> list[str]:
-    return [sys.executable, "-m", "jaxtrain.train", *SMALL, f"data.path={data}", f"train.steps={steps}",
-            f"run.dir={run_dir}"]
+SLOW_CHECKSUM = """
+import sys, time
+from jaxtrain.checkpoint import integrity
+manifest = integrity.local_manifest
+def slow(root):
+    print(f"checksumming {{root}}", flush=True)
+    time.sleep({seconds})
+    out = manifest(root)
+    print("checksummed", flush=True)
+    return out
+integrity.local_manifest = slow
+from jaxtrain.cli.train import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def command(run_dir: Path, data: str, steps: int, slow_checksum: float = 0.0) -> list[str]:
+    args = [*SMALL, f"data.path={data}", f"train.steps={steps}", f"run.dir={run_dir}"]
+    if slow_checksum:
+        return [sys.executable, "-c", SLOW_CHECKSUM.format(seconds=slow_checksum), *args]
+    return [sys.executable, "-m", "jaxtrain.train", *args]
+
+
+def in_checksum(out: str) -> bool:
+    """Whether the output ends inside a checksum (started, not finished): where a kill landed."""
+    return out.rfind("checksumming ") > out.rfind("checksummed")
 
 
 def environment() -> dict:
@@ -81,7 +108,7 @@ def _kill_after(proc: subprocess.Popen, delay: float) -> None:
 
 
 def run_trials(trials: int, workdir: Path, data: str, steps: int = 40, seed: int = 0,
-               log=print, timeout: float | None = None) -> dict:
+               log=print, timeout: float | None = None, slow_checksum: float = 0.0) -> dict:
     """Runs the trials; returns a summary dict (``failures`` lists what went wrong).
 
     ``timeout``: seconds any one trainer process may run; one that runs longer is killed and
@@ -92,7 +119,7 @@ def run_trials(trials: int, workdir: Path, data: str, steps: int = 40, seed: int
     ref_dir = workdir / "reference"
     t0 = time.monotonic()
     try:
-        ref = subprocess.run(command(ref_dir, data, steps), env=env, cwd=REPO, capture_output=True, text=True,
+        ref = subprocess.run(command(ref_dir, data, steps, slow_checksum), env=env, cwd=REPO, capture_output=True, text=True,
                              timeout=timeout)
     except subprocess.TimeoutExpired as err:  # run() has killed it
         out = f"{err.stdout or ''}{err.stderr or ''}"[-3000:]
@@ -104,6 +131,7 @@ def run_trials(trials: int, workdir: Path, data: str, steps: int = 40, seed: int
     assert sorted(reference) == list(range(1, steps + 1)), sorted(reference)
 
     run_dir, failures, during_save, completed_runs, kills, rows_checked = workdir / "trial", [], 0, 0, 0, 0
+    during_checksum = 0
 
     def check_rows() -> int:
         """Every loss row of the series (all processes) must equal the reference at its step."""
@@ -124,7 +152,7 @@ def run_trials(trials: int, workdir: Path, data: str, steps: int = 40, seed: int
             shutil.rmtree(run_dir)
             completed_runs += 1
             expected = []
-        proc = subprocess.Popen(command(run_dir, data, steps), env=env, cwd=REPO, stdout=subprocess.PIPE,
+        proc = subprocess.Popen(command(run_dir, data, steps, slow_checksum), env=env, cwd=REPO, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
         lines, training = [], threading.Event()
 
@@ -171,16 +199,19 @@ def run_trials(trials: int, workdir: Path, data: str, steps: int = 40, seed: int
             status = f"FAIL: exit code {proc.returncode}: {out[-500:]}"
         leftovers = uncommitted(run_dir)
         during_save += bool(killed and leftovers)
+        during_checksum += bool(killed and in_checksum(out))
         kills += killed
         if status != "ok":
             failures.append(f"trial {trial}: {status}")
         log(f"trial {trial:>2}: {'SIGKILL ' + when if killed else 'ran to completion'}; "
             f"resumed from {want}; committed now {committed(run_dir)}; "
-            f"uncommitted left {leftovers or '-'} | {status}")
+            f"uncommitted left {leftovers or '-'}{' (killed while checksumming)' if killed and in_checksum(out) else ''}"
+            f" | {status}")
     rows_checked += check_rows()
     if committed(run_dir)[-1:] != [steps]:
         failures.append(f"the final run did not complete: committed {committed(run_dir)}")
     summary = {"trials": trials, "sigkills": kills, "killed_during_save": during_save,
+               "killed_during_checksum": during_checksum,
                "completed_series": completed_runs,
                "loss_rows_checked": rows_checked, "failures": failures}
     log(json.dumps(summary))
@@ -192,12 +223,15 @@ def main() -> int:
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--slow-checksum", type=float, default=0.0,
+                        help="seconds every file checksum sleeps first (kills then land in the integrity check)")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--data", default=str(Path(os.environ.get("JAXTRAIN_SHARED", REPO.parent / "shared"))
                                               / "data" / "tinyshakespeare.txt"))
     args = parser.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="crash_trials_"))
-    summary = run_trials(args.trials, workdir, args.data, args.steps, args.seed)
+    summary = run_trials(args.trials, workdir, args.data, args.steps, args.seed,
+                         slow_checksum=args.slow_checksum)
     return 1 if summary["failures"] else 0
 
 

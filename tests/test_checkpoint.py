@@ -59,7 +59,9 @@ def test_resharding_restore_is_bit_identical_and_training_continues(fsdp8_run):
     # `train` reshards by itself: drop step 6 and resume step 4 on 4 devices (fsdp=2, tensor=2).
     resumed_dir = full.run_dir.parent / "b"
     shutil.copytree(full.run_dir, resumed_dir)
-    (resumed_dir / "checkpoints" / "6" / ckptlib.MARKER).unlink()  # uncommitted now: cleaned up, never restored
+    # Killed between Orbax's rename and our marker: uncommitted, so cleaned up and never restored.
+    (resumed_dir / "checkpoints" / "6" / ckptlib.MARKER).unlink()
+    (resumed_dir / "checkpoints" / ckptlib.pending_name(6)).write_text("{}")
     second = fit(cfg("mesh.fsdp=2", "mesh.tensor=2", run_dir="b"), devices=jax.devices()[:4], quiet=True)
     assert second.start_step == 4 and sorted(second.losses) == [5, 6]
     np.testing.assert_allclose([second.losses[s] for s in (5, 6)], [full.losses[s] for s in (5, 6)], rtol=1e-5)
@@ -102,22 +104,38 @@ def test_dtypes_and_structure_survive(small_cfg):
     assert_trees_identical(restored, state)
 
 
-def test_uncommitted_steps_are_ignored_and_cleaned(fsdp8_run):
+def test_unfinished_saves_are_cleaned_and_nothing_else(fsdp8_run):
     cfg, full = fsdp8_run
     root = full.run_dir.parent / "c"
     shutil.copytree(full.run_dir, root)
     ck = root / "checkpoints"
+    # Our own unfinished saves, each with the pending marker a save writes before it begins:
     shutil.copytree(ck / "6", ck / "8")
     (ck / "8" / ckptlib.MARKER).unlink()  # killed between Orbax's rename and our marker
     shutil.copytree(ck / "6", ck / "10.orbax-checkpoint-tmp-1234")  # killed mid-write
     shutil.copytree(ck / "6", ck / "12")
-    (ck / "12" / ckptlib.MARKER).write_text('{"format": 1, "step": 12, "ti')  # torn marker write
+    (ck / "12" / ckptlib.MARKER).write_text('{"format": 1, "step": 12, "ti')  # a torn marker
+    for step in (8, 10, 12, 6):  # 6: killed after its marker, before the pending one was removed
+        (ck / ckptlib.pending_name(step)).write_text("{}")
+    # Not ours: a step copied in by hand without its marker, and a user's own folder.
+    shutil.copytree(ck / "4", ck / "5")
+    (ck / "5" / ckptlib.MARKER).unlink()
+    (ck / "7").mkdir()
+    (ck / "7" / "notes.txt").write_text("mine")
     ckpt = ckptlib.Checkpointer(cfg(run_dir="c"), root)
     assert ckpt.removed == ["10.orbax-checkpoint-tmp-1234", "12", "8"]
-    assert sorted(p.name for p in ck.iterdir()) == ["4", "6"]
-    assert ckpt.latest_step() == 6
+    assert ckpt.ignored == ["5", "7"]
+    assert sorted(p.name for p in ck.iterdir()) == ["4", "5", "6", "7"]
+    assert (ck / "7" / "notes.txt").read_text() == "mine" and ckpt.latest_step() == 6
     with pytest.raises(ckptlib.CheckpointError, match="checkpoint step 8 .* is not committed"):
         ckpt.restore(8, None)
+    # Saving over a directory that is not ours is refused, and the directory is untouched.
+    state = trainer_on(cfg(), jax.devices()).fns.init()
+    with pytest.raises(ckptlib.CheckpointError) as err:
+        ckpt.save(7, state, {})
+    assert str(err.value) == (f"checkpoint.dir: {ck}/7 already exists but is not a committed checkpoint of this "
+                              f"run; it is left as it is. Move it away, or use another checkpoint.dir")
+    assert sorted(p.name for p in ck.iterdir()) == ["4", "5", "6", "7"] and err.value.exit_code == 2
     ckpt.close()
 
 

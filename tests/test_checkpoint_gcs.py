@@ -1,11 +1,15 @@
 """Checkpoints on gs:// through a real GCS emulator (fake-gcs-server on 127.0.0.1, see tests/gcs_server.py):
 Orbax/TensorStore write the steps, gcsfs lists them and writes the markers."""
+import json
+
+import google_crc32c
 import jax
 import numpy as np
 import pytest
 
 from jaxtrain.checkpoint import checkpointer as ckptlib
 from jaxtrain.checkpoint import storage
+from jaxtrain.checkpoint.integrity import CorruptCheckpointError
 from jaxtrain.train import fit, setup
 
 # The S3 test's run (same mesh and schedule), so the persistent compile cache serves both.
@@ -62,6 +66,8 @@ def test_save_list_gc_restore_and_resume_on_gcs(gcs, small_cfg, monkeypatch):
     # uninterrupted run's losses.
     fs.rm_file(f"{prefix}/6/{ckptlib.MARKER}")
     fs.pipe_file(f"{prefix}/8/state/partial", b"x")
+    for step in (6, 8):  # the pending markers those saves wrote before they began
+        fs.pipe_file(f"{prefix}/{ckptlib.pending_name(step)}", b"{}")
     from gcs_server import forget_gcs_clients
     forget_gcs_clients()  # as in a new process: no gcsfs listing cached from before the crash
     ckpt = ckptlib.Checkpointer(cfg, full.run_dir)
@@ -75,4 +81,19 @@ def test_save_list_gc_restore_and_resume_on_gcs(gcs, small_cfg, monkeypatch):
     assert steps_in(fs, prefix) == ["4", "6"]
     ckpt = ckptlib.Checkpointer(cfg, full.run_dir)
     assert list(ckpt.committed()) == [4, 6]
+    # The marker's checksums are the CRC32C GCS keeps; an object rewritten with other bytes is caught.
+    files = json.loads(fs.cat_file(f"{prefix}/6/{ckptlib.MARKER}"))["files"]
+    rel = max(files, key=lambda r: files[r][0])
+    data = fs.cat_file(f"{prefix}/6/{rel}")
+    assert files[rel] == [len(data), google_crc32c.Checksum(data).hexdigest().decode()]
+    fs.pipe_file(f"{prefix}/6/{rel}", bytes([data[0] ^ 1]) + data[1:])
+    with pytest.raises(CorruptCheckpointError, match=f"checkpoint step 6 in {url} is corrupt: {rel}: CRC32C"):
+        ckpt.restore(6, setup(cfg, devices, vocab=256).abstract_state())
     ckpt.close()
+
+
+def test_a_missing_bucket_is_named_before_training(gcs, small_cfg):
+    cfg = small_cfg("checkpoint.dir=gs://no-such-bucket/run", "mesh.data=1")
+    with pytest.raises(ckptlib.CheckpointError) as err:
+        ckptlib.Checkpointer(cfg, cfg.run.dir)
+    assert str(err.value) == "checkpoint.dir: bucket 'no-such-bucket' does not exist" and err.value.exit_code == 2

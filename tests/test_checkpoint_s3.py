@@ -76,6 +76,7 @@ def test_save_list_gc_restore_through_s3(s3_server, small_cfg, tmp_path, monkeyp
 
     # A step left without its marker on S3 (a crash mid-upload) is ignored and removed on the next start.
     fs.pipe_file("ckpts/runs/a/8/state/partial", b"x")
+    fs.pipe_file(f"ckpts/runs/a/{ckptlib.pending_name(8)}", b"{}")  # written before that save began
     cfg = small_cfg("train.steps=8", *s3)
     ckpt = ckptlib.Checkpointer(cfg, first.run_dir)
     assert ckpt.removed == ["8"] and not fs.exists("ckpts/runs/a/8")

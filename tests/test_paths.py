@@ -55,3 +55,10 @@ def test_a_file_url_checkpoint_dir_trains_and_resumes(small_cfg, tmp_path):
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["1", "2"]
     assert fit(small_cfg("train.steps=3", "checkpoint.every=1", "mesh.data=1", f"checkpoint.dir=file://{tmp_path}/ck"),
                devices=jax.devices()[:1], quiet=True).start_step == 2
+
+
+def test_prepare_out_takes_the_same_schemes(tmp_path, capsys):
+    from jaxtrain.cli import prepare
+    assert prepare.main(["--out", "hdfs://nn/cache", f"data.path={tmp_path}/x.txt"]) == 2
+    assert capsys.readouterr().err == ("error: --out: unsupported storage scheme 'hdfs://' in 'hdfs://nn/cache'; "
+                                       f"--out {REMOTE_OK}\n")

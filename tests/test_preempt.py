@@ -124,3 +124,61 @@ def test_grace_period_expiry_exits_75():
     assert proc.returncode == 75, proc.stderr
     assert proc.stderr.strip() == ("error: checkpoint.grace_period_s=0.5 s passed after SIGTERM before the "
                                    "checkpoint committed; exiting (the latest committed checkpoint is intact)")
+
+
+def _catches_sigterm(pid: int) -> bool:
+    """Whether the process has installed a SIGTERM handler (SigCgt in /proc/PID/status)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = int(re.search(r"^SigCgt:\s*([0-9a-f]+)", status, re.M).group(1), 16)
+    return bool(mask >> (signal.SIGTERM - 1) & 1)
+
+
+SLOW_DATA = """
+import sys, time
+from jaxtrain.train import preempt
+preempt.during_startup()
+from jaxtrain import data
+load = data.load
+def slow(*args, **kwargs):  # a slow corpus read (a network file system, say)
+    print("loading the data", flush=True)
+    time.sleep(120)
+    return load(*args, **kwargs)
+data.load = slow
+from jaxtrain.cli.train import main
+sys.exit(main(sys.argv[1:]))
+"""
+NOTHING_TRAINED = "SIGTERM before the first training step: nothing was trained, so nothing was saved; rerun to start"
+
+
+def test_sigterm_during_startup_exits_zero_and_a_rerun_starts_cleanly(tmp_path, corpus_path):
+    run_dir = tmp_path / "run"
+    cmd = crash_trials.command(run_dir, corpus_path, 2)
+    # While Python is still importing jax: as soon as the handlers are in.
+    child = Child(cmd)
+    end = time.monotonic() + DEADLINE_S
+    while not _catches_sigterm(child.proc.pid):
+        if child.proc.poll() is not None or time.monotonic() > end:
+            child.fail("the child never installed a SIGTERM handler")
+        time.sleep(0.005)
+    child.proc.send_signal(signal.SIGTERM)
+    out = child.finish()
+    assert child.proc.returncode == 0 and out.strip().endswith(NOTHING_TRAINED), out
+    assert crash_trials.committed(run_dir) == [] and not (run_dir / "metrics.jsonl").exists()
+
+    out = Child(cmd).finish()  # the rerun starts cleanly and completes
+    assert "step      2 |" in out and crash_trials.committed(run_dir) == [2], out
+    config = (run_dir / "config.yaml").read_text()
+
+    # While a resumed run loads its data: it stops at once, and nothing of the run changes.
+    script = tmp_path / "slow_data.py"
+    script.write_text(SLOW_DATA)
+    child = Child([sys.executable, str(script), *cmd[3:-2], "train.steps=4", f"run.dir={run_dir}"])
+    child.wait_for_line("loading the data")
+    child.proc.send_signal(signal.SIGTERM)
+    out = child.finish(timeout=60)  # far less than the 120 s the data would take
+    assert child.proc.returncode == 0 and out.strip().endswith(NOTHING_TRAINED), out
+    assert crash_trials.committed(run_dir) == [2] and (run_dir / "config.yaml").read_text() == config
+    assert [s for s, _ in crash_trials.losses(run_dir)] == [1, 2]

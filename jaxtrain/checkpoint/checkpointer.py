@@ -10,16 +10,29 @@ and each process uploads its own files before the marker is written, see
 :mod:`jaxtrain.checkpoint.storage`).
 
 Crash consistency: a step directory without a readable marker is never
-restored and is deleted when the next :class:`Checkpointer` starts (Orbax
-itself lists such directories as valid steps). Deletion removes the marker
-first, so a half-deleted directory is never mistaken for a complete one.
-The marker also records every leaf's shape and dtype, so a restore into a
+restored (Orbax itself lists such directories as valid steps). Before a save
+begins, the primary writes ``DIR/<step>.jaxtrain-pending``, and removes it
+once the step is committed; deleting a step (garbage collection, a failed
+save) writes it again first. So when the next :class:`Checkpointer` starts,
+it deletes exactly the unfinished steps it can prove this trainer wrote: those
+with a pending marker. Any other unmarked directory (a step copied in by hand,
+a user's own ``7/``) is left alone and listed in :attr:`Checkpointer.ignored`,
+and saving over it is refused.
+
+Integrity: the marker records every leaf's shape and dtype (a restore into a
 different model is refused with the list of mismatched paths before Orbax
-reads anything.
+reads anything) and every file's size and CRC32C, computed off the training
+thread (``jaxtrain.checkpoint.integrity``); a restore compares them first, so a
+truncated or altered committed step is a named error naming the step and file.
+
+A save that has not finished ``checkpoint.save_timeout_s`` after it began ends
+the run with :class:`SaveTimeoutError` (exit code 4); progress lines are logged
+while the loop waits for it.
 """
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 import time
@@ -31,37 +44,33 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxtrain.checkpoint import storage
+from jaxtrain.checkpoint import integrity, storage
+from jaxtrain.checkpoint.integrity import CorruptCheckpointError, mismatches, tree_summary  # noqa: F401
 from jaxtrain.config import Config
-from jaxtrain.errors import InputError
-from jaxtrain.parallel.rules import path_str
+from jaxtrain.errors import InputError, JaxtrainError
 
 MARKER = "COMMIT.json"
-FORMAT = 1
+FORMAT = 2  # 2: the marker lists every file's size and CRC32C
+PENDING = ".jaxtrain-pending"  # DIR/<step>.jaxtrain-pending: this trainer is writing or deleting <step>
 _STEP_DIR = re.compile(r"^(\d+)(\.orbax-checkpoint-tmp.*)?$")
+_PENDING = re.compile(r"^(\d+)" + re.escape(PENDING) + "$")
+FIRST_NOTE_S, NOTE_EVERY_S = 5.0, 30.0  # progress lines while the loop waits for a save
 
 
 class CheckpointError(InputError, RuntimeError):
     """A checkpoint cannot be saved or restored into the current run."""
 
 
-def tree_summary(tree: Any) -> dict[str, list]:
-    """``{'params.layers.0.attn.wq': [[64, 4, 16], 'float32'], ...}`` for every array leaf."""
-    return {path_str(p): [list(x.shape), str(x.dtype)] for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+class SaveTimeoutError(JaxtrainError, RuntimeError):
+    """A save did not finish within ``checkpoint.save_timeout_s``. The process should exit at once
+    (``hard_exit``): Orbax's writer thread may never return."""
+
+    exit_code = 4
+    hard_exit = True
 
 
-def mismatches(saved: dict[str, list], expected: dict[str, list]) -> list[str]:
-    """Human-readable differences between two :func:`tree_summary` results (empty if they match)."""
-    out = []
-    for path in sorted(set(saved) | set(expected)):
-        s, e = saved.get(path), expected.get(path)
-        if s is None:
-            out.append(f"{path}: missing in checkpoint (expected shape {tuple(e[0])} {e[1]})")
-        elif e is None:
-            out.append(f"{path}: not in the current model (saved shape {tuple(s[0])} {s[1]})")
-        elif s != e:
-            out.append(f"{path}: saved shape {tuple(s[0])} {s[1]}, expected {tuple(e[0])} {e[1]}")
-    return out
+def pending_name(step: int) -> str:
+    return f"{step}{PENDING}"
 
 
 def _primary() -> bool:
@@ -81,13 +90,14 @@ class Checkpointer:
       run_dir: the run directory (local); checkpoints go to ``run_dir/checkpoints`` by default.
       mesh_shape: ``{axis: size}`` of the live mesh, recorded in each marker.
       report: called with a dict for every committed or failed save (the train loop logs it).
+      log: called with a line while the loop waits for a slow save (default: the jaxtrain logger).
 
     Raises:
       CheckpointError: the directory cannot be used (e.g. an ``s3://`` path without s3fs).
     """
 
     def __init__(self, cfg: Config, run_dir: Path, mesh_shape: Optional[dict] = None,
-                 report: Optional[Callable[[dict], None]] = None):
+                 report: Optional[Callable[[dict], None]] = None, log: Optional[Callable[[str], None]] = None):
         c = self.options = cfg.checkpoint
         try:
             self.store = storage.open_store(c.dir or str(Path(run_dir, "checkpoints").absolute()), c.s3_endpoint)
@@ -97,16 +107,18 @@ class Checkpointer:
         if self.remote:  # Orbax writes here; finished steps are uploaded, then removed
             self.directory = epath.Path(Path(run_dir, "checkpoints_staging").absolute())
             shutil.rmtree(self.directory, ignore_errors=True)
-            self._uploader = ThreadPoolExecutor(1, thread_name_prefix="jaxtrain-ckpt-upload")
         else:
             self.directory = self.store.root
         self.config_dict = cfg.to_dict()
         self.mesh_shape = dict(mesh_shape or {})
         self.report = report or (lambda row: None)
+        self.log = log or logging.getLogger("jaxtrain").warning
+        # Checksums and uploads run here, off the training thread.
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="jaxtrain-ckpt")
         self._pending: Optional[dict] = None
         self._last_step: Optional[int] = None  # the last step this process started saving
         self._last_save_time = time.monotonic()
-        self.removed = self._cleanup_uncommitted() if _primary() else []
+        self.removed, self.ignored = self._cleanup_unfinished() if _primary() else ([], [])
         _sync("jaxtrain_ckpt_cleanup")
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None, enable_async_checkpointing=c.async_save, create=True)  # we do the GC
@@ -136,15 +148,43 @@ class Checkpointer:
         steps = list(self.committed())
         return steps[-1] if steps else None
 
-    def _cleanup_uncommitted(self) -> list[str]:
-        """Deletes step directories without a marker and Orbax temporaries. Returns their names."""
-        removed = []
-        for name in self.store.names():
+    def _cleanup_unfinished(self) -> tuple[list[str], list[str]]:
+        """Deletes the uncommitted step directories (and Orbax temporaries) that have a pending marker,
+        then the markers. Returns (removed names, uncommitted names left alone: not ours)."""
+        names = self.store.names()
+        pending = {int(m.group(1)) for m in map(_PENDING.match, names) if m}
+        removed, ignored = [], []
+        for name in names:
             m = _STEP_DIR.match(name)
-            if m and (m.group(2) or self._marker(int(m.group(1))) is None):
+            if not m or (not m.group(2) and self._marker(int(m.group(1))) is not None):
+                continue
+            if int(m.group(1)) in pending:
                 self.store.rmtree(name)
                 removed.append(name)
-        return sorted(removed)
+            else:
+                ignored.append(name)
+        for step in pending:  # the directory is gone or committed: the marker has done its job
+            self.store.unlink(pending_name(step))
+        return sorted(removed), sorted(ignored)
+
+    def _wait(self, p: dict, done: Callable[[], bool], what: str) -> None:
+        """Waits until ``done()``, logging progress; raises SaveTimeoutError past ``save_timeout_s``."""
+        limit, started = self.options.save_timeout_s, p["started"]
+        note_at = time.monotonic() + FIRST_NOTE_S
+        while not done():
+            now = time.monotonic()
+            if limit is not None and now - started > limit:
+                last = self.latest_step()
+                raise SaveTimeoutError(
+                    f"checkpoint.save_timeout_s: checkpoint step {p['step']} was still {what} {limit:g} s after "
+                    f"it began; stopping. The last committed checkpoint is "
+                    f"{f'step {last} in {self.store.url}' if last is not None else 'none'}; the unfinished step "
+                    f"is removed on the next start")
+            if now >= note_at:
+                budget = f" of checkpoint.save_timeout_s={limit:g}" if limit is not None else ""
+                self.log(f"waiting for checkpoint step {p['step']}: still {what} ({now - started:.0f} s{budget})")
+                note_at = now + NOTE_EVERY_S
+            time.sleep(0.02)
 
     # ------------------------------------------------------------------ saving
 
@@ -164,9 +204,20 @@ class Checkpointer:
         """Starts an async save of ``step``; returns the seconds the caller was blocked.
 
         The previous pending save is waited for and committed first.
+
+        Raises:
+          CheckpointError: ``DIR/<step>`` already exists (not written by this run: never overwritten).
+          SaveTimeoutError: the previous save is past ``checkpoint.save_timeout_s``.
         """
         self.finish()
         t0 = time.perf_counter()
+        if (self.store.root / str(step)).exists() if not self.remote else str(step) in self.store.names():
+            raise CheckpointError(f"checkpoint.dir: {self.store.url}/{step} already exists but is not a committed "
+                                  f"checkpoint of this run; it is left as it is. Move it away, or use another "
+                                  f"checkpoint.dir")
+        if _primary():
+            self.store.write_text(pending_name(step), json.dumps({"step": step, "time": time.time()}))
+        _sync("jaxtrain_ckpt_pending")  # no process writes a file of the step before its pending marker exists
         self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
             config=ocp.args.JsonSave(self.config_dict)), force=True)
@@ -174,7 +225,7 @@ class Checkpointer:
         self._last_save_time = time.monotonic()
         self._last_step = step
         self._pending = {"step": step, "metrics": metrics or {}, "tree": tree_summary(state),
-                         "t0": t0, "blocking_s": blocking}
+                         "t0": t0, "started": time.monotonic(), "blocking_s": blocking}
         if not self.options.async_save:
             self.finish()
         return blocking
@@ -188,52 +239,66 @@ class Checkpointer:
         p = self._pending
         if p is None or jax.process_count() > 1:
             return
-        if "upload" not in p and not self.manager.is_saving_in_progress():
-            if not self.remote:
-                self.finish()
-                return
-            self._start_upload(p)
-        if "upload" in p and p["upload"].done():
+        if "work" not in p and not self.manager.is_saving_in_progress():
+            self._start_work(p)
+        if "work" in p and p["work"].done():
             self.finish()
 
     def _orbax_done(self, p: dict) -> None:
         """Waits for Orbax; raises if the async write failed."""
+        self._wait(p, lambda: not self.manager.is_saving_in_progress(), "being written")
         self.manager.wait_until_finished()
         self.manager.check_for_errors()
         if not (self.directory / str(p["step"])).exists():
             raise CheckpointError(f"Orbax finished without creating {self.directory / str(p['step'])}")
 
-    def _start_upload(self, p: dict) -> None:
-        step = p["step"]
+    def _start_work(self, p: dict) -> None:
+        """Once Orbax is done: checksums (and for S3 the upload) on the worker thread, in ``p['work']``."""
         fut: Future = Future()
         try:
             self._orbax_done(p)
-        except Exception as err:  # noqa: BLE001
+        except SaveTimeoutError:
+            raise
+        except Exception as err:  # noqa: BLE001 - reported by finish()
             fut.set_exception(err)
         else:
-            def upload() -> int:
-                return self.store.upload(Path(self.directory / str(step)), str(step))
-            fut = self._uploader.submit(upload)
-        p["upload"] = fut
+            fut = self._worker.submit(self._commit_work, p["step"])
+        p["work"] = fut
+
+    def _commit_work(self, step: int) -> dict:
+        """The step's file manifest (primary; sizes and CRC32C) and, for S3, this process's upload."""
+        t0, out = time.perf_counter(), {"files": {}}
+        local = Path(self.directory / str(step))
+        if _primary():
+            out["files"] = integrity.local_manifest(local) if self.remote else self.store.manifest(str(step))
+        out["checksum_s"] = time.perf_counter() - t0
+        if self.remote:
+            out["uploaded_bytes"] = self.store.upload(local, str(step))
+        return out
 
     def finish(self) -> Optional[bool]:
-        """Waits for the pending save; commits it (True), or reports its failure (False). None: nothing pending."""
+        """Waits for the pending save; commits it (True), or reports its failure (False). None: nothing pending.
+
+        Raises:
+          SaveTimeoutError: the save is past ``checkpoint.save_timeout_s`` (nothing is committed).
+        """
         p, self._pending = self._pending, None
         if p is None:
             return None
         step = p["step"]
         try:
-            if self.remote:
-                if "upload" not in p:
-                    self._start_upload(p)
-                p["uploaded_bytes"] = p["upload"].result()
-            else:
-                self._orbax_done(p)
+            if "work" not in p:
+                self._start_work(p)
+            self._wait(p, p["work"].done, "being uploaded" if self.remote else "being checksummed")
+            work = p["work"].result()
+        except SaveTimeoutError:
+            raise
         except Exception as err:  # noqa: BLE001 - any failure of the async write is reported, not raised
             if _primary():
                 for name in self.store.names():
                     if name == str(step) or name.startswith(f"{step}.orbax-checkpoint-tmp"):
                         self.store.rmtree(name)
+                self.store.unlink(pending_name(step))
             self._drop_staging(step)
             self.manager.reload()
             self.report({"step": step, "checkpoint_failed": f"{type(err).__name__}: {err}",
@@ -242,14 +307,16 @@ class Checkpointer:
         total = time.perf_counter() - p["t0"]
         if _primary():
             marker = {"format": FORMAT, "step": step, "time": time.time(), "metrics": p["metrics"],
-                      "mesh": self.mesh_shape, "process_count": jax.process_count(), "tree": p["tree"]}
+                      "mesh": self.mesh_shape, "process_count": jax.process_count(), "tree": p["tree"],
+                      "files": work["files"]}
             self.store.write_text(f"{step}/{MARKER}", json.dumps(marker))
+            self.store.unlink(pending_name(step))
         _sync("jaxtrain_ckpt_commit")
         self._drop_staging(step)
         removed = self.collect_garbage() if _primary() else []
         _sync("jaxtrain_ckpt_gc")
         self.report({"step": step, "checkpoint_saved": step, "save_blocking_s": p["blocking_s"],
-                     "save_total_s": total, "checkpoints_removed": removed})
+                     "save_total_s": total, "checksum_s": work["checksum_s"], "checkpoints_removed": removed})
         return True
 
     def keep_set(self, committed: dict[int, dict]) -> set[int]:
@@ -271,9 +338,11 @@ class Checkpointer:
         """Deletes committed steps outside :meth:`keep_set` (marker first). Returns their steps."""
         committed = self.committed()
         doomed = sorted(set(committed) - self.keep_set(committed))
-        for step in doomed:
+        for step in doomed:  # pending marker first: a crash part-way leaves a step the next start removes
+            self.store.write_text(pending_name(step), json.dumps({"step": step, "deleting": True}))
             self.store.unlink(f"{step}/{MARKER}")
             self.store.rmtree(str(step))
+            self.store.unlink(pending_name(step))
         if doomed and not self.remote:
             self.manager.reload()
         return doomed
@@ -292,6 +361,7 @@ class Checkpointer:
         Raises:
           CheckpointError: ``step`` is not committed, or the saved tree differs from the current
             model: the message lists every mismatched path with saved and expected shape/dtype.
+          CorruptCheckpointError: a file of ``step`` differs in size or CRC32C from its marker.
         """
         info = self._marker(step)
         if info is None:
@@ -308,6 +378,9 @@ class Checkpointer:
             self.last_download = {"bytes": nbytes, "seconds": time.perf_counter() - t0}
             self.manager.reload()
         try:
+            local = Path(self.directory / str(step))
+            actual = integrity.local_manifest(local) if self.remote else self.store.manifest(str(step))
+            integrity.check(step, self.store.url, info.get("files"), actual)
             out = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
         except (ValueError, KeyError, TypeError, FileNotFoundError) as err:
@@ -315,6 +388,20 @@ class Checkpointer:
         finally:
             self._drop_staging(step)
         return out["state"], dict(out["data"])
+
+    def set_aside(self, step: int) -> str:
+        """Moves committed ``step`` out of the way as ``<step>.corrupt`` (kept, never restored). Returns the name."""
+        name, n = f"{step}.corrupt", 1
+        names = set(self.store.names())
+        while name in names:
+            n += 1
+            name = f"{step}.corrupt{n}"
+        if _primary():
+            self.store.rename(str(step), name)
+        _sync("jaxtrain_ckpt_set_aside")
+        if not self.remote:
+            self.manager.reload()
+        return name
 
     def saved_mesh(self, step: int) -> dict:
         return dict((self._marker(step) or {}).get("mesh", {}))
@@ -325,8 +412,7 @@ class Checkpointer:
     def close(self) -> None:
         self.finish()
         self.manager.close()
-        if self.remote:
-            self._uploader.shutdown()
+        self._worker.shutdown()
 
 
 def abstract_like(state: Any, shardings: Any) -> Any:

@@ -21,6 +21,8 @@ from typing import Optional
 
 from etils import epath
 
+from jaxtrain.checkpoint import integrity
+
 
 class StorageError(RuntimeError):
     """The checkpoint location cannot be used (missing library, missing bucket, bad URL)."""
@@ -65,6 +67,30 @@ class Store:
         path = self.root / rel
         if path.exists():
             path.rmtree()
+
+    def rename(self, rel: str, new_rel: str) -> None:
+        """Moves ``rel`` (a step directory) to ``new_rel``: a rename locally, copy + delete on GCS."""
+        if self.url.startswith("gs://"):
+            self._gcs().mv(self._gcs_key(rel), self._gcs_key(new_rel), recursive=True)
+        else:
+            os.replace(self.root / rel, self.root / new_rel)
+
+    def manifest(self, rel: str) -> dict[str, list]:
+        """``{path under rel: [bytes, crc32c hex]}`` (``jaxtrain.checkpoint.integrity``): local files are
+        read; GCS objects are listed with the CRC32C the server keeps (nothing is downloaded)."""
+        if not self.url.startswith("gs://"):
+            return integrity.local_manifest(Path(self.root / rel))
+        fs, base = self._gcs(), self._gcs_key(rel)
+        fs.invalidate_cache(base)  # objects written by TensorStore bypass gcsfs's listing cache
+        return {key[len(base) + 1:]: [int(info["size"]), integrity.gcs_crc32c(info.get("crc32c"))]
+                for key, info in sorted(fs.find(base, detail=True).items())}
+
+    def _gcs(self):
+        import fsspec
+        return fsspec.filesystem("gs")
+
+    def _gcs_key(self, rel: str) -> str:
+        return f"{self.url[len('gs://'):].rstrip('/')}/{rel}"
 
 
 class S3Store(Store):
@@ -117,6 +143,9 @@ class S3Store(Store):
         if keys:
             self.fs.rm(keys)
 
+    def rename(self, rel: str, new_rel: str) -> None:
+        self.fs.mv(self._key(rel), self._key(new_rel), recursive=True)
+
     def upload(self, local_dir: Path, rel: str) -> int:
         """Uploads every file under ``local_dir`` to ``rel/``; returns the bytes sent."""
         total = 0
@@ -137,10 +166,29 @@ class S3Store(Store):
         return total
 
 
+def _check_bucket(url: str) -> None:
+    """Raises StorageError unless gcsfs is installed and the bucket of ``gs://bucket/...`` exists."""
+    try:
+        import fsspec
+        fs = fsspec.filesystem("gs")
+    except ImportError:
+        raise StorageError(f"checkpoint.dir: '{url}' needs gcsfs (pip install 'jaxtrain[gcs]')") from None
+    bucket = url[len("gs://"):].split("/")[0]
+    try:
+        found = fs.exists(bucket)
+    except Exception as err:  # noqa: BLE001 - network/credential errors, named
+        raise StorageError(f"checkpoint.dir: cannot reach '{url}': {type(err).__name__}: {err}") from None
+    if not found:
+        raise StorageError(f"checkpoint.dir: bucket '{bucket}' does not exist")
+
+
 def open_store(spec: str, s3_endpoint: Optional[str] = None) -> Store:
     """The store for ``checkpoint.dir`` (a local path, ``gs://...`` or ``s3://...``)."""
     if is_s3(spec):
         return S3Store(spec, s3_endpoint or os.environ.get("AWS_ENDPOINT_URL"))
+    if spec.startswith("gs://"):
+        _check_bucket(spec)
+        return Store(epath.Path(spec))
     if "://" in spec:
         return Store(epath.Path(spec))
     return Store(epath.Path(os.path.abspath(os.path.expanduser(spec))))

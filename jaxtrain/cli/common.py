@@ -8,18 +8,31 @@ import re
 import sys
 from typing import Callable, Optional, Sequence
 
-import jax
-
 from jaxtrain.errors import JaxtrainError
+
+# No jax import at module level: ``jaxtrain.cli.train`` installs its signal handlers before jax loads.
 
 
 def cli(body: Callable[[], Optional[int]]) -> int:
     """Runs ``body``; a named error (:class:`jaxtrain.errors.JaxtrainError`) is printed as
-    ``error: <message>`` on stderr and becomes its exit code (2 for bad input). Returns the exit code."""
+    ``error: <message>`` on stderr and becomes its exit code (2 for bad input). Returns the exit code.
+
+    An error with ``hard_exit`` (a checkpoint save stuck past its timeout) ends the process at once:
+    a normal exit would wait for ever on the stuck writer thread. A SIGTERM/SIGINT during a training
+    run's start-up (``jaxtrain.train.preempt.StartupInterrupted``) is exit 0: nothing was trained.
+    """
+    from jaxtrain.train.preempt import StartupInterrupted
     try:
         return body() or 0
+    except StartupInterrupted as stop:
+        from jaxtrain.train.preempt import report_startup_stop
+        return report_startup_stop(stop)
     except JaxtrainError as err:
         print(f"error: {err}", file=sys.stderr)
+        if getattr(err, "hard_exit", False):
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(err.exit_code)
         return err.exit_code
 
 
@@ -48,6 +61,7 @@ def config_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argpars
 def enable_compilation_cache() -> None:
     """JAX's persistent compilation cache (``JAX_COMPILATION_CACHE_DIR`` or ~/.cache/jaxtrain/xla)."""
     if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        import jax
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser("~/.cache/jaxtrain/xla"))
 
 
@@ -67,4 +81,5 @@ def use_cpu_devices(n: int) -> None:
     """Asks for n simulated CPU devices; effective only before JAX initialises its backends."""
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    import jax
     jax.config.update("jax_platforms", "cpu")

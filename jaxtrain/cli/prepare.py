@@ -23,10 +23,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     def body() -> None:
         from jaxtrain.config import load
+        from jaxtrain.config.paths import REMOTE, normalize
         from jaxtrain.data.prepare import prepare
+        out = normalize("--out", args.out, REMOTE)
         # The mode does not matter to a cache; packed lets BOS/EOS options validate.
         cfg = load(args.config, ["data.mode=packed", *args.overrides])
-        meta = prepare(cfg, args.out, args.docs_per_shard, not args.no_progress)
+        meta = prepare(cfg, out, args.docs_per_shard, not args.no_progress)
         rate = meta["tokens"] / max(meta["seconds"], 1e-9)
         skipped = meta["stats"]["skipped_empty"] + meta["stats"]["skipped_short"]
         print(f"wrote {args.out}: {meta['documents']} documents, {meta['tokens']} tokens in "

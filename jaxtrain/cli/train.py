@@ -3,7 +3,9 @@
 With no arguments it runs the built-in default job (a small Llama trained byte-level on
 this interpreter's standard library). Rerunning a command with the same ``run.dir``
 resumes from the latest committed checkpoint. Exit codes: 0 done (or stopped cleanly by
-SIGTERM/SIGINT), 2 bad input, 3 too many non-finite steps, 75 preemption grace expired.
+SIGTERM/SIGINT, also during start-up), 2 bad input (config, data, path, a corrupt checkpoint),
+3 the run diverged (non-finite steps or validation loss), 4 a checkpoint save stuck past
+``checkpoint.save_timeout_s``, 75 preemption grace expired.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import sys
 from typing import Optional, Sequence
 
 from jaxtrain.cli.common import add_config_args, cli, config_args, enable_compilation_cache, log_to_console, prog
+from jaxtrain.train import preempt
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -23,11 +26,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    preempt.during_startup()  # first: a preemption notice may come while jax still imports
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    enable_compilation_cache()
-    log_to_console()
 
     def body() -> None:
+        enable_compilation_cache()
+        log_to_console()
         from jaxtrain.config import load
         from jaxtrain.train import fit
         fit(load(args.config, args.overrides))

@@ -32,7 +32,7 @@ def check_consistency(cfg: "Config") -> None:
     c = cfg.checkpoint
     positive("checkpoint.every", c.every)
     positive("checkpoint.keep", c.keep)
-    for key in ("every_seconds", "keep_period", "grace_period_s"):
+    for key in ("every_seconds", "keep_period", "grace_period_s", "save_timeout_s"):
         if getattr(c, key) is not None:
             positive(f"checkpoint.{key}", getattr(c, key))
     if c.keep_best < 0:

@@ -8,6 +8,7 @@ write it (``gs://`` through TensorStore/gcsfs, ``s3://`` through s3fs); any othe
 from __future__ import annotations
 
 import re
+from typing import Optional
 from urllib.parse import unquote
 
 from jaxtrain.config.schema import ConfigError
@@ -21,20 +22,22 @@ SCHEMES: dict[str, tuple[str, ...]] = {
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$", re.S)
 
 
-def supported(key: str) -> str:
+def supported(key: str, remote: Optional[tuple[str, ...]] = None) -> str:
     """``'a local path, file://, gs:// or s3://'`` for ``key``."""
-    names = ["a local path", "file://", *(f"{s}://" for s in SCHEMES[key])]
+    names = ["a local path", "file://", *(f"{s}://" for s in (SCHEMES[key] if remote is None else remote))]
     return ", ".join(names[:-1]) + " or " + names[-1]
 
 
-def normalize(key: str, value: str) -> str:
+def normalize(key: str, value: str, remote: Optional[tuple[str, ...]] = None) -> str:
     """``value`` as the config keeps it: a ``file://`` URL becomes its local path; a local path or a
-    supported remote URL is kept as given.
+    supported remote URL is kept as given. ``remote``: the schemes a key outside :data:`SCHEMES`
+    (a command-line option) takes.
 
     Raises:
       ConfigError: ``'<key>: unsupported storage scheme ...'`` naming what ``key`` supports, or a
         ``file://`` URL that is not absolute.
     """
+    allowed = SCHEMES[key] if remote is None else remote
     m = _URL.match(value)
     if not m:
         return value
@@ -45,9 +48,9 @@ def normalize(key: str, value: str) -> str:
         if not rest.startswith("/"):
             raise ConfigError(f"{key}: '{value}' is not a local file URL; write file:///absolute/path")
         return unquote(rest)
-    if scheme in SCHEMES[key] and rest.strip("/"):
+    if scheme in allowed and rest.strip("/"):
         return value
-    if scheme in SCHEMES[key]:
+    if scheme in allowed:
         raise ConfigError(f"{key}: '{value}' names no bucket")
     raise ConfigError(f"{key}: unsupported storage scheme '{scheme}://' in '{value}'; "
-                      f"{key} takes {supported(key)}")
+                      f"{key} takes {supported(key, remote)}")

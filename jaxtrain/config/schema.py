@@ -174,6 +174,13 @@ class CheckpointConfig(_Section):
     best_mode: Literal["min", "max"] = "min"
     keep_period: Optional[int] = None  # keep every step divisible by this forever
     grace_period_s: float = 30.0  # SIGTERM/SIGINT: finish the step, save, commit, exit 0 within this
+    # A save not finished this long after it began ends the run (exit 4; the last committed step is
+    # intact). null: wait for ever.
+    save_timeout_s: Optional[float] = 1800.0
+    # Resuming, a committed step whose files fail their size/CRC32C check: false stops with an error
+    # naming the step and file; true resumes from the newest good step instead (the bad one is kept
+    # as <step>.corrupt) and says so loudly.
+    fallback: bool = False
     dir: Optional[str] = None  # local path, gs://bucket/path or s3://bucket/path; default RUN_DIR/checkpoints
     s3_endpoint: Optional[str] = None  # S3-compatible endpoint URL; default $AWS_ENDPOINT_URL, else AWS
     _dir = _path_key("checkpoint.dir")

@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxtrain.checkpoint.checkpointer import Checkpointer, CheckpointError
+from jaxtrain.checkpoint.checkpointer import Checkpointer, CheckpointError, CorruptCheckpointError
 from jaxtrain.config import Config
 from jaxtrain.data import tokenizers
 from jaxtrain.metrics import flops
@@ -68,9 +68,13 @@ def _fit(s: Setup, run_dir: Path, out: Reporter, extra: Sequence[Hook]) -> RunRe
         loop.record(row.pop("step"), row)
 
     try:
-        ckpt = Checkpointer(cfg, run_dir, dict(s.mesh.shape), on_checkpoint) if cfg.checkpoint.enabled else None
+        ckpt = (Checkpointer(cfg, run_dir, dict(s.mesh.shape), on_checkpoint, log=out.info)
+                if cfg.checkpoint.enabled else None)
         if ckpt and ckpt.removed:
-            out.info(f"removed uncommitted checkpoint directories: {', '.join(ckpt.removed)}")
+            out.info(f"removed unfinished checkpoint saves of an earlier run: {', '.join(ckpt.removed)}")
+        if ckpt and ckpt.ignored:
+            out.info(f"[yellow]note:[/] {ckpt.store.url} holds {', '.join(ckpt.ignored)}: not committed checkpoints "
+                     f"and not written by jaxtrain, so left alone and never restored")
         batches = data.iterator(s.fns.batch_sharding)
         state = resume(s, ckpt, batches, run_dir, out)
         result.start_step = start = int(jax.device_get(state["step"]))
@@ -100,9 +104,12 @@ def _fit(s: Setup, run_dir: Path, out: Reporter, extra: Sequence[Hook]) -> RunRe
 def resume(s: Setup, ckpt: Optional[Checkpointer], batches, run_dir: Path, out: Reporter) -> dict:
     """The latest committed checkpoint's state (and data position, set on ``batches``), or a fresh state.
 
+    With ``checkpoint.fallback``, a corrupt latest step is set aside and the newest good one is used.
+
     Raises:
       CheckpointError: the checkpoint does not fit the config; the message ends with the
         model keys changed since it was saved.
+      CorruptCheckpointError: the latest step's files fail their check (without ``checkpoint.fallback``).
     """
     latest = ckpt.latest_step() if ckpt else None
     if latest is None:
@@ -112,7 +119,7 @@ def resume(s: Setup, ckpt: Optional[Checkpointer], batches, run_dir: Path, out: 
     for note in notes:
         out.info(f"[yellow]note:[/] {note}")
     try:
-        state, data_state = ckpt.restore(latest, s.abstract_state())
+        latest, state, data_state = _restore_good(s, ckpt, out)
     except CheckpointError as err:
         if not shape_keys:
             raise
@@ -124,6 +131,25 @@ def resume(s: Setup, ckpt: Optional[Checkpointer], batches, run_dir: Path, out: 
     resharded = f" (resharded from mesh {saved_mesh})" if saved_mesh and saved_mesh != dict(s.mesh.shape) else ""
     out.info(f"resumed from {ckpt.store.url}/{latest}{resharded}")
     return state
+
+
+def _restore_good(s: Setup, ckpt: Checkpointer, out: Reporter):
+    """(step, state, data position) of the newest committed step that passes its integrity check.
+
+    Raises:
+      CorruptCheckpointError: the latest fails (without fallback), or every one does (with it).
+    """
+    for step in reversed(list(ckpt.committed())):
+        try:
+            return (step, *ckpt.restore(step, s.abstract_state()))
+        except CorruptCheckpointError as err:
+            if not s.cfg.checkpoint.fallback:
+                raise
+            aside = ckpt.set_aside(step)
+            out.info(f"[bold red]checkpoint.fallback: {err.detail}; set aside as {aside}, resuming from the "
+                     f"previous committed step instead[/]")
+    raise CorruptCheckpointError(f"checkpoint.fallback: no committed step in {ckpt.store.url} passed its check "
+                                 f"(each was set aside as <step>.corrupt)")
 
 
 def describe_run(s: Setup, state: dict, peak: Optional[float], peak_src: str) -> str:

@@ -37,6 +37,7 @@ class StopOnSignal(Hook):
 
     def on_start(self, loop: Loop) -> None:
         self.signals = preempt.Preemption(loop.cfg.checkpoint.grace_period_s).__enter__()
+        preempt.startup_over()  # after: no moment without a handler that stops cleanly
 
     def after_step(self, loop: Loop, step: int, metrics: dict) -> None:
         if self.signals.requested:

@@ -76,3 +76,52 @@ class Preemption:
     def finished(self) -> None:
         """The save committed: stop the watchdog."""
         self._done.set()
+
+
+class StartupInterrupted(BaseException):
+    """SIGTERM/SIGINT arrived while a training run was starting (before its first step).
+
+    A BaseException, so no ``except Exception`` on the way swallows it; the command line turns
+    it into exit code 0 with a line saying nothing was trained.
+    """
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+        self.name = signal.Signals(signum).name
+
+
+_startup = {"armed": False}
+
+
+def report_startup_stop(stop: StartupInterrupted) -> int:
+    """Says that nothing was trained (stderr) and returns the exit code: 0, a clean stop."""
+    print(f"{stop.name} before the first training step: nothing was trained, so nothing was saved; "
+          f"rerun to start", file=sys.stderr, flush=True)
+    return 0
+
+
+def during_startup() -> None:
+    """Installs the start-up handlers (main thread only): until the train loop installs its own
+    (:func:`startup_over`, then :class:`Preemption`), SIGTERM/SIGINT raise :class:`StartupInterrupted`
+    wherever the process is (importing, loading data, restoring); nothing has been trained or
+    saved yet, so there is nothing to finish. Compiling is native code: the signal lands after it.
+    """
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _on_startup_signal)
+        _startup["armed"] = True
+
+
+def startup_over() -> None:
+    """The loop takes over signals now (:class:`Preemption`); later ones end the process as usual."""
+    _startup["armed"] = False
+
+
+def _on_startup_signal(signum, frame) -> None:
+    if _startup["armed"]:
+        _startup["armed"] = False  # once: the unwinding itself is not interrupted again
+        raise StartupInterrupted(signum)
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise SystemExit(128 + signum)  # after the loop: what the default handler's status says, but unwinding

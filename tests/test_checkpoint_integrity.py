@@ -68,6 +68,49 @@ def test_corrupt_steps_are_named_and_fallback_resumes_the_previous_good_one(smal
     assert (ck / "4.corrupt" / big).read_bytes() == flipped  # kept as it was
 
 
+def test_damaged_markers_and_unusable_fallbacks_change_nothing(small_cfg):
+    dev = jax.devices()[:1]
+    cfg = small_cfg("train.steps=4", "checkpoint.every=2", "mesh.data=1")
+    fit(cfg, devices=dev, quiet=True)
+    ck = Path(cfg.run.dir) / "checkpoints"
+    longer = lambda *more: small_cfg("train.steps=6", "checkpoint.every=2", "mesh.data=1", *more)  # noqa: E731
+    # Our markers are written atomically: a torn or edited one is corruption, never a silent step back.
+    marker = json.loads((ck / "4" / ckptlib.MARKER).read_text())
+    (ck / "4" / ckptlib.MARKER).write_text('{"step": 4, ')
+    with pytest.raises(CorruptCheckpointError) as err:
+        fit(longer(), devices=dev, quiet=True)
+    assert str(err.value).startswith(f"checkpoint step 4 in {ck} is corrupt: COMMIT.json is not valid JSON (")
+    del marker["files"]
+    (ck / "4" / ckptlib.MARKER).write_text(json.dumps(marker))
+    with pytest.raises(CorruptCheckpointError) as err:
+        fit(longer(), devices=dev, quiet=True)
+    assert str(err.value) == (f"checkpoint step 4 in {ck} is corrupt: COMMIT.json has no list of files and leaves "
+                              f"to check. Set checkpoint.fallback=true to resume from the previous good step")
+    # With step 2 corrupt too, a fallback has nowhere to go: an error, and nothing is moved.
+    files = _files(ck / "2")
+    big = max(files, key=lambda rel: files[rel].stat().st_size)
+    files[big].write_bytes(files[big].read_bytes()[:-1])
+    with pytest.raises(CorruptCheckpointError) as err:
+        fit(longer("checkpoint.fallback=true"), devices=dev, quiet=True)
+    assert str(err.value).startswith(f"checkpoint.fallback: no step in {ck} passes its check, so nothing was "
+                                     f"restored or moved:\n  checkpoint step 4 in {ck} is corrupt: COMMIT.json has")
+    assert sorted(p.name for p in ck.iterdir()) == ["2", "4"]
+
+
+def test_a_foreign_directory_in_the_way_is_refused_before_training(small_cfg, tmp_path):
+    ck = tmp_path / "ck"
+    cfg = small_cfg("train.steps=4", "checkpoint.every=100", "mesh.data=1", f"checkpoint.dir={ck}")
+    (ck / "3").mkdir(parents=True)
+    (ck / "3" / "notes.txt").write_text("mine")
+    with pytest.raises(ckptlib.CheckpointError) as err:
+        fit(cfg, devices=jax.devices()[:1], quiet=True)
+    assert str(err.value) == (f"checkpoint.dir: {ck} holds 3, not committed checkpoints of this run, and this run "
+                              f"may save those steps (it trains 1..4); move them away or use another "
+                              f"checkpoint.dir. Nothing was trained")
+    assert (ck / "3" / "notes.txt").read_text() == "mine" and sorted(p.name for p in ck.iterdir()) == ["3"]
+    assert (Path(cfg.run.dir) / "metrics.jsonl").read_text() == ""  # no step was trained
+
+
 SLOW_FINALIZE = """
 import sys, time
 import orbax.checkpoint as ocp

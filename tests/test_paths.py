@@ -11,6 +11,7 @@ CASES = [  # (override, the error after "<key>: ")
     ("checkpoint.dir=hdfs://nn/ckpt", f"unsupported storage scheme 'hdfs://' in 'hdfs://nn/ckpt'; checkpoint.dir {REMOTE_OK}"),
     ("checkpoint.dir=az://c/ckpt", f"unsupported storage scheme 'az://' in 'az://c/ckpt'; checkpoint.dir {REMOTE_OK}"),
     ("checkpoint.dir=gs://", "'gs://' names no bucket"),
+    ("checkpoint.dir=gs:///path", "'gs:///path' names no bucket"),
     ("data.path=hdfs://nn/corpus.txt",
      f"unsupported storage scheme 'hdfs://' in 'hdfs://nn/corpus.txt'; data.path {REMOTE_OK}"),
     ("data.path=https://example.com/x.txt",
@@ -44,6 +45,7 @@ def test_file_urls_are_local_paths(tmp_path):
                       f"data.path=file://{tmp_path}/my%20corpus.txt", "checkpoint.dir=gs://bucket/ck"])
     assert (cfg.run.dir, cfg.data.path) == (f"{tmp_path}/run", f"{tmp_path}/my corpus.txt")
     assert cfg.checkpoint.dir == "gs://bucket/ck"  # supported remote URLs are kept as given
+    assert load(None, ["checkpoint.dir=GS://bucket/ck", "data.path=S3://b/x.txt"]).data.path == "s3://b/x.txt"
     assert load(None, [f"checkpoint.dir=file://{tmp_path}/ck"]).checkpoint.dir == f"{tmp_path}/ck"
 
 

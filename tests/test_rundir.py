@@ -1,5 +1,6 @@
 """The run directory: never overwritten by a failed resume, locked, no duplicate metric rows."""
 import json
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -76,3 +77,15 @@ def test_sampling_never_emits_banned_or_padding_ids():
     ids = generate(lambda p, buf: favourite, None, np.array([1]), 20, 4, temperature=1.0, seed=0,
                    banned=(3,), vocab_limit=8)
     assert len(ids) == 21 and not set(ids[1:].tolist()) & {3, 8, 9}
+
+
+def test_resume_notes_name_changed_data_and_optimizer_keys(small_cfg):
+    from jaxtrain.train import rundir
+    cfg = small_cfg("train.steps=4")
+    Path(cfg.run.dir).mkdir(parents=True)
+    rundir.write_config_file(cfg, Path(cfg.run.dir))
+    shape_keys, notes = rundir.resume_changes(
+        small_cfg("train.steps=4", "optimizer.lr=5e-4", "optimizer.b2=0.95", "data.seed=3"), Path(cfg.run.dir))
+    assert shape_keys == []
+    assert notes == ["data.seed changed from 0 to 3", "optimizer.lr changed from 0.001 to 0.0005",
+                     "optimizer.b2 changed from 0.99 to 0.95"]

@@ -54,6 +54,7 @@ FORMAT = 2  # 2: the marker lists every file's size and CRC32C
 PENDING = ".jaxtrain-pending"  # DIR/<step>.jaxtrain-pending: this trainer is writing or deleting <step>
 _STEP_DIR = re.compile(r"^(\d+)(\.orbax-checkpoint-tmp.*)?$")
 _PENDING = re.compile(r"^(\d+)" + re.escape(PENDING) + "$")
+_SET_ASIDE = re.compile(r"^\d+\.corrupt\d*$")  # moved out of the way by checkpoint.fallback
 FIRST_NOTE_S, NOTE_EVERY_S = 5.0, 30.0  # progress lines while the loop waits for a save
 
 
@@ -119,6 +120,7 @@ class Checkpointer:
         self._last_step: Optional[int] = None  # the last step this process started saving
         self._last_save_time = time.monotonic()
         self.removed, self.ignored = self._cleanup_unfinished() if _primary() else ([], [])
+        self.set_aside_names = sorted(n for n in self.store.names() if _SET_ASIDE.match(n)) if _primary() else []
         _sync("jaxtrain_ckpt_cleanup")
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None, enable_async_checkpointing=c.async_save, create=True)  # we do the GC
@@ -126,23 +128,50 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ listing
 
-    def _marker(self, step: int) -> Optional[dict]:
+    def _marker_state(self, step: int) -> tuple[Optional[dict], Optional[str]]:
+        """(marker, None) for a committed step; (None, None) without a marker; (None, what is wrong)
+        for a marker that exists but is damaged (ours are written atomically, so that is corruption)."""
         try:
-            info = json.loads(self.store.read_text(f"{step}/{MARKER}"))
-        except (OSError, ValueError):
-            return None
-        return info if isinstance(info, dict) and info.get("step") == step else None
+            text = self.store.read_text(f"{step}/{MARKER}")
+        except OSError:
+            return None, None
+        try:
+            info = json.loads(text)
+        except ValueError as err:
+            return None, f"is not valid JSON ({err})"
+        if not isinstance(info, dict) or info.get("step") != step:
+            return None, f"does not record step {step}"
+        if not isinstance(info.get("files"), dict) or not isinstance(info.get("tree"), dict):
+            return None, "has no list of files and leaves to check"
+        return info, None
 
-    def committed(self) -> dict[int, dict]:
-        """``{step: marker}`` for every committed step directory."""
-        out = {}
+    def _marker(self, step: int) -> Optional[dict]:
+        return self._marker_state(step)[0]
+
+    def markers(self) -> tuple[dict[int, dict], dict[int, str]]:
+        """(``{step: marker}`` of every committed step, ``{step: what is wrong}`` of every step whose
+        marker is damaged)."""
+        good, bad = {}, {}
         for name in self.store.names():
             m = _STEP_DIR.match(name)
             if m and not m.group(2):
-                info = self._marker(int(m.group(1)))
+                step = int(m.group(1))
+                info, why = self._marker_state(step)
                 if info is not None:
-                    out[info["step"]] = info
-        return dict(sorted(out.items()))
+                    good[step] = info
+                elif why:
+                    bad[step] = why
+        return dict(sorted(good.items())), dict(sorted(bad.items()))
+
+    def committed(self) -> dict[int, dict]:
+        """``{step: marker}`` for every committed step directory."""
+        return self.markers()[0]
+
+    def restorable(self) -> list[int]:
+        """Steps to try restoring, newest last: the committed ones and those whose marker is damaged
+        (their restore is a CorruptCheckpointError, never a silent step back)."""
+        good, bad = self.markers()
+        return sorted(set(good) | set(bad))
 
     def latest_step(self) -> Optional[int]:
         steps = list(self.committed())
@@ -156,8 +185,11 @@ class Checkpointer:
         removed, ignored = [], []
         for name in names:
             m = _STEP_DIR.match(name)
-            if not m or (not m.group(2) and self._marker(int(m.group(1))) is not None):
+            if not m:
                 continue
+            state = (None, None) if m.group(2) else self._marker_state(int(m.group(1)))
+            if state[0] is not None or (state[1] and int(m.group(1)) not in pending):
+                continue  # committed, or a damaged marker of a finished save: a restore names it
             if int(m.group(1)) in pending:
                 self.store.rmtree(name)
                 removed.append(name)
@@ -175,11 +207,12 @@ class Checkpointer:
             now = time.monotonic()
             if limit is not None and now - started > limit:
                 last = self.latest_step()
+                where = (f"the last committed checkpoint is step {last} in {self.store.url}" if last is not None
+                         else "no checkpoint is committed yet")
                 raise SaveTimeoutError(
                     f"checkpoint.save_timeout_s: checkpoint step {p['step']} was still {what} {limit:g} s after "
-                    f"it began; stopping. The last committed checkpoint is "
-                    f"{f'step {last} in {self.store.url}' if last is not None else 'none'}; the unfinished step "
-                    f"is removed on the next start")
+                    f"it began; stopping. {where[0].upper()}{where[1:]}; the unfinished step is removed on the "
+                    f"next start")
             if now >= note_at:
                 budget = f" of checkpoint.save_timeout_s={limit:g}" if limit is not None else ""
                 self.log(f"waiting for checkpoint step {p['step']}: still {what} ({now - started:.0f} s{budget})")
@@ -363,7 +396,9 @@ class Checkpointer:
             model: the message lists every mismatched path with saved and expected shape/dtype.
           CorruptCheckpointError: a file of ``step`` differs in size or CRC32C from its marker.
         """
-        info = self._marker(step)
+        info, why = self._marker_state(step)
+        if why:
+            raise integrity.corrupt(step, self.store.url, [f"{MARKER} {why}"])
         if info is None:
             raise CheckpointError(f"checkpoint step {step} in {self.store.url} is not committed "
                                   f"(no valid {MARKER}); committed steps: {list(self.committed())}")

@@ -90,8 +90,13 @@ def check(step: int, url: str, expected: Optional[dict], actual: dict) -> None:
         return
     bad = problems(expected, actual)
     if bad:
-        more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
-        detail = f"checkpoint step {step} in {url} is corrupt: " + "; ".join(bad[:5]) + more
-        err = CorruptCheckpointError(f"{detail}. Set checkpoint.fallback=true to resume from the previous good step")
-        err.detail = detail
-        raise err
+        raise corrupt(step, url, bad)
+
+
+def corrupt(step: int, url: str, bad: list[str]) -> CorruptCheckpointError:
+    """The error for ``step`` with its first problems; ``.detail`` is the message without the hint."""
+    more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+    detail = f"checkpoint step {step} in {url} is corrupt: " + "; ".join(bad[:5]) + more
+    err = CorruptCheckpointError(f"{detail}. Set checkpoint.fallback=true to resume from the previous good step")
+    err.detail = detail
+    return err

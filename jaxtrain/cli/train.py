@@ -34,7 +34,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         log_to_console()
         from jaxtrain.config import load
         from jaxtrain.train import fit
-        fit(load(args.config, args.overrides))
+        preempt.check_startup()
+        cfg = load(args.config, args.overrides)
+        preempt.check_startup()
+        fit(cfg)
     return cli(body)
 
 

@@ -48,8 +48,8 @@ def normalize(key: str, value: str, remote: Optional[tuple[str, ...]] = None) ->
         if not rest.startswith("/"):
             raise ConfigError(f"{key}: '{value}' is not a local file URL; write file:///absolute/path")
         return unquote(rest)
-    if scheme in allowed and rest.strip("/"):
-        return value
+    if scheme in allowed and rest.split("/")[0]:
+        return f"{scheme}://{rest}"  # GS:// -> gs://: the libraries below know the lower-case schemes only
     if scheme in allowed:
         raise ConfigError(f"{key}: '{value}' names no bucket")
     raise ConfigError(f"{key}: unsupported storage scheme '{scheme}://' in '{value}'; "

@@ -3,10 +3,8 @@ import sys
 
 from jaxtrain.train import preempt
 
-preempt.during_startup()  # before anything heavy is imported: a SIGTERM now is a clean exit 0
-try:
-    from jaxtrain.cli.train import main
-except preempt.StartupInterrupted as stop:
-    sys.exit(preempt.report_startup_stop(stop))
+preempt.during_startup()  # before anything heavy is imported: a SIGTERM from now on is a clean exit 0
+
+from jaxtrain.cli.train import main  # noqa: E402
 
 sys.exit(main())

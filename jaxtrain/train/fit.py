@@ -20,7 +20,7 @@ from jaxtrain.metrics.console import Reporter, format_flops
 from jaxtrain.metrics.profile import StepProfiler
 from jaxtrain.metrics.sinks import Sinks
 from jaxtrain.parallel.mesh import describe
-from jaxtrain.train import hooks as H, rundir
+from jaxtrain.train import hooks as H, preempt, rundir
 from jaxtrain.train.loop import Hook, Loop, RunResult, train_loop
 from jaxtrain.train.setup import Setup, setup
 from jaxtrain.train.spec import ModelSpec
@@ -50,6 +50,7 @@ def fit(cfg: Config, spec: Optional[ModelSpec] = None, data: Any = None, *,
     out = Reporter(quiet=quiet or not cfg.run.progress, total=cfg.train.steps)
     with out.status("checking the config, loading the data"):
         s = setup(cfg, devices, spec=spec, data=data, load_data=True, run_dir=Path(cfg.run.dir).expanduser())
+    preempt.check_startup()  # a signal while the data loaded (the command line's start-up only)
     with rundir.opened(cfg, lock=jax.process_index() == 0) as run_dir:
         return _fit(s, run_dir, out, hooks)
 
@@ -75,9 +76,15 @@ def _fit(s: Setup, run_dir: Path, out: Reporter, extra: Sequence[Hook]) -> RunRe
         if ckpt and ckpt.ignored:
             out.info(f"[yellow]note:[/] {ckpt.store.url} holds {', '.join(ckpt.ignored)}: not committed checkpoints "
                      f"and not written by jaxtrain, so left alone and never restored")
+        if ckpt and ckpt.set_aside_names:
+            out.info(f"[yellow]note:[/] {ckpt.store.url} holds {', '.join(ckpt.set_aside_names)}: corrupt steps set "
+                     f"aside by checkpoint.fallback, never restored")
         batches = data.iterator(s.fns.batch_sharding)
         state = resume(s, ckpt, batches, run_dir, out)
         result.start_step = start = int(jax.device_get(state["step"]))
+        preempt.check_startup()
+        if ckpt:
+            _check_no_clash(ckpt, start, cfg.train.steps)
         rundir.write_config_file(cfg, run_dir)  # only now: a failed resume leaves the old config.yaml
         sinks.drop_after(start)
         if start >= cfg.train.steps:
@@ -111,8 +118,7 @@ def resume(s: Setup, ckpt: Optional[Checkpointer], batches, run_dir: Path, out: 
         model keys changed since it was saved.
       CorruptCheckpointError: the latest step's files fail their check (without ``checkpoint.fallback``).
     """
-    latest = ckpt.latest_step() if ckpt else None
-    if latest is None:
+    if not (ckpt and ckpt.restorable()):
         out.info(f"run directory: {run_dir}")
         return s.fns.init()
     shape_keys, notes = rundir.resume_changes(s.cfg, run_dir)
@@ -135,21 +141,42 @@ def resume(s: Setup, ckpt: Optional[Checkpointer], batches, run_dir: Path, out: 
 
 def _restore_good(s: Setup, ckpt: Checkpointer, out: Reporter):
     """(step, state, data position) of the newest committed step that passes its integrity check.
+    With ``checkpoint.fallback``, the newer ones that fail are then set aside as ``<step>.corrupt``.
 
     Raises:
-      CorruptCheckpointError: the latest fails (without fallback), or every one does (with it).
+      CorruptCheckpointError: the newest fails (without fallback), or every one does (with it;
+        then nothing is moved).
     """
-    for step in reversed(list(ckpt.committed())):
+    bad = []
+    for step in reversed(ckpt.restorable()):
         try:
-            return (step, *ckpt.restore(step, s.abstract_state()))
+            restored = (step, *ckpt.restore(step, s.abstract_state()))
         except CorruptCheckpointError as err:
             if not s.cfg.checkpoint.fallback:
                 raise
-            aside = ckpt.set_aside(step)
-            out.info(f"[bold red]checkpoint.fallback: {err.detail}; set aside as {aside}, resuming from the "
-                     f"previous committed step instead[/]")
-    raise CorruptCheckpointError(f"checkpoint.fallback: no committed step in {ckpt.store.url} passed its check "
-                                 f"(each was set aside as <step>.corrupt)")
+            bad.append((step, err.detail))
+            continue
+        for step_bad, detail in bad:
+            aside = ckpt.set_aside(step_bad)
+            out.info(f"[bold red]checkpoint.fallback: {detail}; set aside as {aside}[/]")
+        if bad:
+            out.info(f"[bold red]checkpoint.fallback: resuming from step {step}, not the newest step[/]")
+        return restored
+    raise CorruptCheckpointError("checkpoint.fallback: no step in " + ckpt.store.url + " passes its check, so "
+                                 "nothing was restored or moved:\n  " + "\n  ".join(d for _, d in bad))
+
+
+def _check_no_clash(ckpt: Checkpointer, start: int, steps: int) -> None:
+    """Refuses, before training, a run that may save a step where a directory not written by jaxtrain is.
+
+    Raises:
+      CheckpointError: naming them.
+    """
+    clash = [n for n in ckpt.ignored if n.isdigit() and start < int(n) <= steps]
+    if clash:
+        raise CheckpointError(f"checkpoint.dir: {ckpt.store.url} holds {', '.join(clash)}, not committed checkpoints "
+                              f"of this run, and this run may save those steps (it trains {start + 1}..{steps}); "
+                              f"move them away or use another checkpoint.dir. Nothing was trained")
 
 
 def describe_run(s: Setup, state: dict, peak: Optional[float], peak_src: str) -> str:

@@ -18,7 +18,7 @@ from typing import Optional
 import jax
 from safetensors.flax import load_file, save_file
 
-from jaxtrain.checkpoint.checkpointer import Checkpointer, CheckpointError
+from jaxtrain.checkpoint.checkpointer import Checkpointer, CheckpointError, CorruptCheckpointError
 from jaxtrain.config import Config, ConfigError, from_dict, load
 from jaxtrain.data import tokenizers
 from jaxtrain.models.family import HFConverter
@@ -68,10 +68,14 @@ def export(run_dir: Path, out_dir: Path, step: Optional[int] = None) -> Path:
     s = setup(cfg, jax.devices()[:1], vocab=_run_vocab(cfg, run_dir))
     ckpt = Checkpointer(cfg, run_dir)
     try:
-        step = ckpt.latest_step() if step is None else step
+        steps = ckpt.restorable()
+        step = (steps[-1] if steps else None) if step is None else step
         if step is None:
             raise CheckpointError(f"export: no committed checkpoint in {ckpt.store.url}")
-        state, _ = ckpt.restore(step, s.abstract_state())
+        try:
+            state, _ = ckpt.restore(step, s.abstract_state())
+        except CorruptCheckpointError as err:
+            raise CorruptCheckpointError(f"{err.detail}. Export another step with --step N") from None
     finally:
         ckpt.close()
     out_dir = Path(out_dir)

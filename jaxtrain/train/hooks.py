@@ -81,11 +81,10 @@ class NonFiniteGuard(Hook):
                                      f"loss or gradient and was skipped")
 
     def _count(self, loop: Loop, flag: int, step: int) -> None:
+        loop.nonfinite_streak = self.in_a_row = 0 if not flag else self.in_a_row + 1
         if not flag:
-            self.in_a_row = 0
             return
         loop.result.nonfinite_steps += 1
-        self.in_a_row += 1
         limit = loop.cfg.train.max_nonfinite_steps
         if self.in_a_row >= limit:
             stop_diverged(loop.ckpt, f"train.max_nonfinite_steps: {self.in_a_row} steps in a row (steps "
@@ -159,8 +158,10 @@ class Checkpointing(Hook):
         self.ckpt = ckpt
 
     def after_step(self, loop: Loop, step: int, metrics: dict) -> None:
-        ckpt = self.ckpt
-        saving = loop.stopping or ckpt.due(step, final=step == loop.cfg.train.steps)
+        ckpt, final = self.ckpt, step == loop.cfg.train.steps
+        # During a run of skipped steps the params do not change: a periodic save would only rotate
+        # older (good) checkpoints away.
+        saving = loop.stopping or (ckpt.due(step, final=final) and (final or not loop.nonfinite_streak))
         if saving and loop.cfg.checkpoint.keep_best and loop.last_eval.get("step") != step:
             loop.evaluate(step)  # best-K needs this step's metric
         if saving:

@@ -73,6 +73,7 @@ class Loop:
     last_eval: dict = field(default_factory=dict)  # {'step', 'val_loss', ...} of the latest evaluation
     committed: Optional[int] = None  # the latest committed checkpoint step, when checkpointing
     uncounted_flag: Any = None  # the current step's non-finite flag until the guard has counted it
+    nonfinite_streak: int = 0  # skipped steps in a row, as far as the guard has counted
     # Seconds, summed since the start: waiting for batches, and loop time that was not training
     # (evaluation, checkpoint saves); train rows report per-interval differences of these.
     data_wait_s: float = 0.0

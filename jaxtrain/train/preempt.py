@@ -81,8 +81,10 @@ class Preemption:
 class StartupInterrupted(BaseException):
     """SIGTERM/SIGINT arrived while a training run was starting (before its first step).
 
-    A BaseException, so no ``except Exception`` on the way swallows it; the command line turns
-    it into exit code 0 with a line saying nothing was trained.
+    Raised by :func:`check_startup` at the start-up's phase boundaries, never from inside the signal
+    handler (an exception there can land inside a native import). A BaseException, so no ``except
+    Exception`` on the way swallows it; the command line turns it into exit code 0 with a line
+    saying nothing was trained.
     """
 
     def __init__(self, signum: int):
@@ -91,7 +93,8 @@ class StartupInterrupted(BaseException):
         self.name = signal.Signals(signum).name
 
 
-_startup = {"armed": False}
+STARTUP_EXIT_AFTER_S = 3.0  # a phase that runs on (compiling, a large read) is not waited for longer
+_startup: dict = {"armed": False, "signum": None, "over": threading.Event()}
 
 
 def report_startup_stop(stop: StartupInterrupted) -> int:
@@ -102,10 +105,13 @@ def report_startup_stop(stop: StartupInterrupted) -> int:
 
 
 def during_startup() -> None:
-    """Installs the start-up handlers (main thread only): until the train loop installs its own
-    (:func:`startup_over`, then :class:`Preemption`), SIGTERM/SIGINT raise :class:`StartupInterrupted`
-    wherever the process is (importing, loading data, restoring); nothing has been trained or
-    saved yet, so there is nothing to finish. Compiling is native code: the signal lands after it.
+    """Installs the start-up handlers (main thread only), first thing in the command line.
+
+    Until the train loop installs its own (:class:`Preemption`, then :func:`startup_over`), a
+    SIGTERM/SIGINT only records itself; the start-up stops at its next phase boundary
+    (:func:`check_startup`: after the imports, the config, the data, the restore), or, if a phase
+    (a compile, a long read) runs on for :data:`STARTUP_EXIT_AFTER_S`, the process exits 0 from a
+    watchdog: nothing has been trained or saved, and what start-up writes survives a kill.
     """
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -113,15 +119,33 @@ def during_startup() -> None:
         _startup["armed"] = True
 
 
+def check_startup() -> None:
+    """A phase boundary of the start-up: raises StartupInterrupted if a signal has arrived."""
+    if _startup["armed"] and _startup["signum"] is not None:
+        _startup["armed"] = False
+        _startup["over"].set()
+        raise StartupInterrupted(_startup["signum"])
+
+
 def startup_over() -> None:
-    """The loop takes over signals now (:class:`Preemption`); later ones end the process as usual."""
+    """The loop handles signals now (:class:`Preemption`). One that came in between still stops the
+    run before its first step (raises StartupInterrupted)."""
+    check_startup()
     _startup["armed"] = False
+    _startup["over"].set()
 
 
 def _on_startup_signal(signum, frame) -> None:
-    if _startup["armed"]:
-        _startup["armed"] = False  # once: the unwinding itself is not interrupted again
-        raise StartupInterrupted(signum)
-    if signum == signal.SIGINT:
-        raise KeyboardInterrupt
-    raise SystemExit(128 + signum)  # after the loop: what the default handler's status says, but unwinding
+    if not _startup["armed"]:  # after the loop: what the default handler's status says, but unwinding
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + signum)
+    if _startup["signum"] is None:
+        _startup["signum"] = signum
+        threading.Thread(target=_exit_if_still_starting, args=(signum,), name="jaxtrain-startup-stop",
+                         daemon=True).start()
+
+
+def _exit_if_still_starting(signum: int) -> None:
+    if not _startup["over"].wait(STARTUP_EXIT_AFTER_S):
+        os._exit(report_startup_stop(StartupInterrupted(signum)))

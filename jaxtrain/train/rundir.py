@@ -120,7 +120,8 @@ def resume_changes(cfg: Config, run_dir: Path) -> tuple[list[str], list[str]]:
     layout = {f"model.{k}" for k in cfg.model.layout_keys} or {k for k in new if k.startswith("model.")}
     layout.add("model.family")
     shape_keys = [f"{k}: checkpoint has {saved[k]!r}, config has {new[k]!r}" for k in changed if k in layout]
-    notes = [f"{k} changed from {saved[k]!r} to {new[k]!r}" for k in changed if k in STREAM_KEYS]
+    notes = [f"{k} changed from {saved[k]!r} to {new[k]!r}" for k in changed
+             if k in STREAM_KEYS or (k.startswith("optimizer.") and k != "optimizer.decay_steps")]
     old_horizon = saved.get("optimizer.decay_steps") or saved.get("train.steps")
     if old_horizon and old_horizon != cfg.decay_steps:
         notes.append(f"the LR schedule now decays over {cfg.decay_steps} steps (was {old_horizon}); "

@@ -80,12 +80,13 @@ def test_damaged_markers_and_unusable_fallbacks_change_nothing(small_cfg):
     with pytest.raises(CorruptCheckpointError) as err:
         fit(longer(), devices=dev, quiet=True)
     assert str(err.value).startswith(f"checkpoint step 4 in {ck} is corrupt: COMMIT.json is not valid JSON (")
-    del marker["files"]
-    (ck / "4" / ckptlib.MARKER).write_text(json.dumps(marker))
-    with pytest.raises(CorruptCheckpointError) as err:
-        fit(longer(), devices=dev, quiet=True)
-    assert str(err.value) == (f"checkpoint step 4 in {ck} is corrupt: COMMIT.json has no list of files and leaves "
-                              f"to check. Set checkpoint.fallback=true to resume from the previous good step")
+    for files in ({}, None):  # emptied, or the key removed
+        marker["files"] = files
+        (ck / "4" / ckptlib.MARKER).write_text(json.dumps({k: v for k, v in marker.items() if v is not None}))
+        with pytest.raises(CorruptCheckpointError) as err:
+            fit(longer(), devices=dev, quiet=True)
+        assert str(err.value) == (f"checkpoint step 4 in {ck} is corrupt: COMMIT.json has no list of files and "
+                                  f"leaves to check. Set checkpoint.fallback=true to resume from the previous good step")
     # With step 2 corrupt too, a fallback has nowhere to go: an error, and nothing is moved.
     files = _files(ck / "2")
     big = max(files, key=lambda rel: files[rel].stat().st_size)

@@ -23,6 +23,7 @@ CASES = [  # (override, the error after "<key>: ")
     ("run.dir=gs://b/run", f"unsupported storage scheme 'gs://' in 'gs://b/run'; run.dir {LOCAL_ONLY}"),
     ("sharding.rules=hdfs://r.yaml", f"unsupported storage scheme 'hdfs://' in 'hdfs://r.yaml'; sharding.rules {LOCAL_ONLY}"),
     ("checkpoint.dir=file://relative/ckpt", "'file://relative/ckpt' is not a local file URL; write file:///absolute/path"),
+    ("checkpoint.dir=file:/abs/ckpt", "'file:/abs/ckpt' is not a local file URL; write file:///absolute/path"),
 ]
 
 

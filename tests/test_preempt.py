@@ -150,7 +150,8 @@ data.load = slow
 from jaxtrain.cli.train import main
 sys.exit(main(sys.argv[1:]))
 """
-NOTHING_TRAINED = "SIGTERM before the first training step: nothing was trained, so nothing was saved; rerun to start"
+NOTHING_TRAINED = ("SIGTERM before the first training step: nothing was trained, so nothing was saved; "
+                   "rerun the same command to continue")
 
 
 def test_sigterm_during_startup_exits_zero_and_a_rerun_starts_cleanly(tmp_path, corpus_path):
@@ -182,3 +183,31 @@ def test_sigterm_during_startup_exits_zero_and_a_rerun_starts_cleanly(tmp_path, 
     assert child.proc.returncode == 0 and out.strip().endswith(NOTHING_TRAINED), out
     assert crash_trials.committed(run_dir) == [2] and (run_dir / "config.yaml").read_text() == config
     assert [s for s, _ in crash_trials.losses(run_dir)] == [1, 2]
+
+
+SLOW_END = """
+import sys, time
+from jaxtrain.train import hooks, preempt
+preempt.during_startup()
+end = hooks.Evaluate.on_end
+def slow(self, loop, ok):  # the final evaluation takes a while (a large validation set, say)
+    print("final evaluation", flush=True)
+    time.sleep(3)
+    return end(self, loop, ok)
+hooks.Evaluate.on_end = slow
+from jaxtrain.cli.train import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_signal_after_the_last_step_lets_the_final_save_commit(tmp_path, corpus_path):
+    run_dir = tmp_path / "run"
+    script = tmp_path / "slow_end.py"
+    script.write_text(SLOW_END)
+    child = Child([sys.executable, str(script), *crash_trials.command(run_dir, corpus_path, 3)[3:]])
+    child.wait_for_line("final evaluation")
+    child.proc.send_signal(signal.SIGTERM)
+    out = child.finish()
+    assert child.proc.returncode == 0 and "Traceback" not in out, out
+    assert "SIGTERM after the last step: the run had finished; nothing was lost" in out
+    assert 3 in crash_trials.committed(run_dir)  # the final save (committed while the evaluation ran) is kept

@@ -141,7 +141,7 @@ class Checkpointer:
             return None, f"is not valid JSON ({err})"
         if not isinstance(info, dict) or info.get("step") != step:
             return None, f"does not record step {step}"
-        if not isinstance(info.get("files"), dict) or not isinstance(info.get("tree"), dict):
+        if not info.get("files") or not isinstance(info["files"], dict) or not isinstance(info.get("tree"), dict):
             return None, "has no list of files and leaves to check"
         return info, None
 

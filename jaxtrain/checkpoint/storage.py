@@ -14,6 +14,7 @@ A :class:`Store` addresses names relative to the checkpoint root (``'12'``,
 """
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from pathlib import Path
@@ -174,10 +175,15 @@ def _check_bucket(url: str) -> None:
     except ImportError:
         raise StorageError(f"checkpoint.dir: '{url}' needs gcsfs (pip install 'jaxtrain[gcs]')") from None
     bucket = url[len("gs://"):].split("/")[0]
+    quiet = logging.getLogger("gcsfs")  # its retries log whole tracebacks; the error below says it once
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
     try:
         found = fs.exists(bucket)
     except Exception as err:  # noqa: BLE001 - network/credential errors, named
         raise StorageError(f"checkpoint.dir: cannot reach '{url}': {type(err).__name__}: {err}") from None
+    finally:
+        quiet.setLevel(level)
     if not found:
         raise StorageError(f"checkpoint.dir: bucket '{bucket}' does not exist")
 

@@ -40,6 +40,8 @@ def normalize(key: str, value: str, remote: Optional[tuple[str, ...]] = None) ->
     allowed = SCHEMES[key] if remote is None else remote
     m = _URL.match(value)
     if not m:
+        if value[:5].lower() == "file:":  # file:/abs would silently be a relative folder named 'file:'
+            raise ConfigError(f"{key}: '{value}' is not a local file URL; write file:///absolute/path")
         return value
     scheme, rest = m.group(1).lower(), m.group(2)
     if scheme == "file":

@@ -98,11 +98,17 @@ def _fit(s: Setup, run_dir: Path, out: Reporter, extra: Sequence[Hook]) -> RunRe
                      f"parameters (e.g. {s.fns.low_precision[0]}) and their Adam moments are updated in place; "
                      f"updates below a weight's resolution are lost")
         loop = Loop(s, state, batches, val, sinks, out, result, start, ckpt=ckpt)
-        hooks = [H.CompileReport(), H.StopOnSignal(), H.NonFiniteGuard(), H.LogMetrics(peak), H.Evaluate(),
+        stop = H.StopOnSignal()
+        hooks = [H.CompileReport(), stop, H.NonFiniteGuard(), H.LogMetrics(peak), H.Evaluate(),
                  *([H.Checkpointing(ckpt)] if ckpt else []), H.Profile(StepProfiler(cfg, run_dir)), H.Progress()]
         if data.tokenizer is not None:
             hooks.append(H.Sample(data.tokenizer, getattr(data, "bos_id", None)))
-        train_loop(loop, [*hooks, *extra])
+        ok = False
+        try:
+            train_loop(loop, [*hooks, *extra])
+            ok = True
+        finally:
+            stop.release(ok)
     finally:
         sinks.close()
     return result

@@ -33,9 +33,14 @@ class CompileReport(Hook):
 
 class StopOnSignal(Hook):
     """SIGTERM/SIGINT: the current step is the last (the checkpoint hook saves and commits it), then the
-    run ends with exit 0; ``checkpoint.grace_period_s`` bounds the wait (``jaxtrain.train.preempt``)."""
+    run ends with exit 0; ``checkpoint.grace_period_s`` bounds the wait (``jaxtrain.train.preempt``).
+
+    The handlers stay in until :meth:`release` (``fit`` calls it after every hook has ended), so a
+    signal during the final evaluation, save or sample lets them finish too.
+    """
 
     def on_start(self, loop: Loop) -> None:
+        self.loop = loop
         self.signals = preempt.Preemption(loop.cfg.checkpoint.grace_period_s).__enter__()
         preempt.startup_over()  # after: no moment without a handler that stops cleanly
 
@@ -45,12 +50,17 @@ class StopOnSignal(Hook):
             self.step = step
 
     def on_end(self, loop: Loop, ok: bool) -> None:
-        if not hasattr(self, "signals"):
-            return
-        if ok and loop.stopping:
+        if hasattr(self, "signals") and ok and loop.stopping:
             self.signals.finished()
             saved = "committed" if loop.committed == self.step else "NOT saved"
             loop.out.info(f"{loop.stopping}: stopped after step {self.step}; checkpoint {saved}; rerun to resume")
+
+    def release(self, ok: bool) -> None:
+        """Restores the previous handlers; says so if a signal came after the last step."""
+        if not hasattr(self, "signals"):
+            return
+        if ok and self.signals.signum is not None and not self.loop.stopping:
+            self.loop.out.info(f"{self.signals.name} after the last step: the run had finished; nothing was lost")
         self.signals.__exit__(None, None, None)
 
 

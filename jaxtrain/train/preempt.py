@@ -100,7 +100,7 @@ _startup: dict = {"armed": False, "signum": None, "over": threading.Event()}
 def report_startup_stop(stop: StartupInterrupted) -> int:
     """Says that nothing was trained (stderr) and returns the exit code: 0, a clean stop."""
     print(f"{stop.name} before the first training step: nothing was trained, so nothing was saved; "
-          f"rerun to start", file=sys.stderr, flush=True)
+          f"rerun the same command to continue", file=sys.stderr, flush=True)
     return 0
 
 

@@ -124,8 +124,9 @@ def resume_changes(cfg: Config, run_dir: Path) -> tuple[list[str], list[str]]:
              if k in STREAM_KEYS or (k.startswith("optimizer.") and k != "optimizer.decay_steps")]
     old_horizon = saved.get("optimizer.decay_steps") or saved.get("train.steps")
     if old_horizon and old_horizon != cfg.decay_steps:
-        notes.append(f"the LR schedule now decays over {cfg.decay_steps} steps (was {old_horizon}); "
-                     f"set optimizer.decay_steps={old_horizon} to keep the old schedule")
+        keep = (f"; set optimizer.decay_steps={old_horizon} to keep the old schedule"
+                if old_horizon > cfg.optimizer.warmup_steps else "")
+        notes.append(f"the LR schedule now decays over {cfg.decay_steps} steps (was {old_horizon}){keep}")
     return shape_keys, notes
 
 

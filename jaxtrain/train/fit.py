@@ -124,14 +124,15 @@ def resume(s: Setup, ckpt: Optional[Checkpointer], batches, run_dir: Path, out: 
         model keys changed since it was saved.
       CorruptCheckpointError: the latest step's files fail their check (without ``checkpoint.fallback``).
     """
-    if not (ckpt and ckpt.restorable()):
+    steps = ckpt.restorable() if ckpt else []  # one listing (and marker read) per start
+    if not steps:
         out.info(f"run directory: {run_dir}")
         return s.fns.init()
     shape_keys, notes = rundir.resume_changes(s.cfg, run_dir)
     for note in notes:
         out.info(f"[yellow]note:[/] {note}")
     try:
-        latest, state, data_state = _restore_good(s, ckpt, out)
+        latest, state, data_state = _restore_good(s, ckpt, steps, out)
     except CheckpointError as err:
         if not shape_keys:
             raise
@@ -145,7 +146,7 @@ def resume(s: Setup, ckpt: Optional[Checkpointer], batches, run_dir: Path, out: 
     return state
 
 
-def _restore_good(s: Setup, ckpt: Checkpointer, out: Reporter):
+def _restore_good(s: Setup, ckpt: Checkpointer, steps: list[int], out: Reporter):
     """(step, state, data position) of the newest committed step that passes its integrity check.
     With ``checkpoint.fallback``, the newer ones that fail are then set aside as ``<step>.corrupt``.
 
@@ -154,7 +155,7 @@ def _restore_good(s: Setup, ckpt: Checkpointer, out: Reporter):
         then nothing is moved).
     """
     bad = []
-    for step in reversed(ckpt.restorable()):
+    for step in reversed(steps):
         try:
             restored = (step, *ckpt.restore(step, s.abstract_state()))
         except CorruptCheckpointError as err:

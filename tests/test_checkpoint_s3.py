@@ -1,10 +1,5 @@
 """Checkpoints through a real S3-compatible server (moto_server on 127.0.0.1): save, list, GC, restore."""
 import os
-import shutil
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import jax
@@ -13,48 +8,6 @@ import pytest
 
 from jaxtrain.checkpoint import checkpointer as ckptlib
 from jaxtrain.train import fit, setup
-
-
-@pytest.fixture(scope="module")
-def s3_server(tmp_path_factory):
-    """Starts moto_server; yields its endpoint URL with credentials set for it."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    own = Path(sys.executable).parent / "moto_server"  # this environment's first, not another one on PATH
-    exe = str(own) if own.exists() else shutil.which("moto_server")
-    if exe is None:
-        pytest.fail(f"moto_server is neither in {own.parent} nor on PATH (pip install 'moto[server]')")
-    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "w")
-    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT)
-    endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                pytest.fail(f"moto_server did not start on port {port}")
-            time.sleep(0.2)
-    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
-    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
-    import s3fs
-    s3fs.S3FileSystem(endpoint_url=endpoint).mkdir("ckpts")
-    yield endpoint
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=10)
-    log.close()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
 
 
 def test_save_list_gc_restore_through_s3(s3_server, small_cfg, tmp_path, monkeypatch):

@@ -45,7 +45,7 @@ def test_console_scripts_are_registered():
     assert scripts == {"jaxtrain-train": "jaxtrain.cli.train:main", "jaxtrain-export": "jaxtrain.cli.export:main",
                        "jaxtrain-plan": "jaxtrain.cli.plan:main", "jaxtrain-explain": "jaxtrain.cli.explain:main",
                        "jaxtrain-prepare": "jaxtrain.cli.prepare:main", "jaxtrain-report": "jaxtrain.cli.report:main",
-                       "jaxtrain-digits": "jaxtrain.examples.digits:main"}
+                       "jaxtrain-digits": "jaxtrain.examples.digits:main", "jaxtrain-launch": "jaxtrain.launch:main"}
 
 
 def test_metrics_sinks_choose_where_rows_go(small_cfg, capsys):

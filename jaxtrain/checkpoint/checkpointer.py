@@ -6,8 +6,10 @@ position, JSON; ``config``: the resolved config, JSON) plus ``COMMIT.json``,
 written by the primary process only after Orbax reports the async save
 finished. ``DIR`` is ``RUN_DIR/checkpoints`` or ``checkpoint.dir`` (a local
 path, ``gs://`` or ``s3://``; for S3, Orbax writes to ``RUN_DIR/checkpoints_staging``
-and each process uploads its own files before the marker is written, see
-:mod:`jaxtrain.checkpoint.storage`).
+and the primary uploads the step before the marker is written, see
+:mod:`jaxtrain.checkpoint.storage`). Many processes agree before a commit: the marker
+is written only once every process's part is written (and uploaded), and a failure on
+any process fails the save on all (:mod:`jaxtrain.checkpoint.processes`).
 
 Crash consistency: a step directory without a readable marker is never
 restored (Orbax itself lists such directories as valid steps). Before a save
@@ -44,7 +46,8 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxtrain.checkpoint import integrity, storage
+from jaxtrain.checkpoint import integrity, retention, storage
+from jaxtrain.checkpoint.processes import agree, primary, sync
 from jaxtrain.checkpoint.integrity import CorruptCheckpointError, mismatches, tree_summary  # noqa: F401
 from jaxtrain.config import Config
 from jaxtrain.errors import InputError, JaxtrainError
@@ -72,15 +75,6 @@ class SaveTimeoutError(JaxtrainError, RuntimeError):
 
 def pending_name(step: int) -> str:
     return f"{step}{PENDING}"
-
-
-def _primary() -> bool:
-    return jax.process_index() == 0
-
-
-def _sync(name: str) -> None:
-    if jax.process_count() > 1:
-        ocp.multihost.sync_global_processes(name)
 
 
 class Checkpointer:
@@ -119,9 +113,9 @@ class Checkpointer:
         self._pending: Optional[dict] = None
         self._last_step: Optional[int] = None  # the last step this process started saving
         self._last_save_time = time.monotonic()
-        self.removed, self.ignored = self._cleanup_unfinished() if _primary() else ([], [])
-        self.set_aside_names = sorted(n for n in self.store.names() if _SET_ASIDE.match(n)) if _primary() else []
-        _sync("jaxtrain_ckpt_cleanup")
+        self.removed, self.ignored = self._cleanup_unfinished() if primary() else ([], [])
+        self.set_aside_names = sorted(n for n in self.store.names() if _SET_ASIDE.match(n)) if primary() else []
+        sync("jaxtrain_ckpt_cleanup")
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None, enable_async_checkpointing=c.async_save, create=True)  # we do the GC
         self.manager = ocp.CheckpointManager(self.directory, options=options)
@@ -248,9 +242,9 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint.dir: {self.store.url}/{step} already exists but is not a committed "
                                   f"checkpoint of this run; it is left as it is. Move it away, or use another "
                                   f"checkpoint.dir")
-        if _primary():
+        if primary():
             self.store.write_text(pending_name(step), json.dumps({"step": step, "time": time.time()}))
-        _sync("jaxtrain_ckpt_pending")  # no process writes a file of the step before its pending marker exists
+        sync("jaxtrain_ckpt_pending")  # no process writes a file of the step before its pending marker exists
         self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
             config=ocp.args.JsonSave(self.config_dict)), force=True)
@@ -282,35 +276,46 @@ class Checkpointer:
         self._wait(p, lambda: not self.manager.is_saving_in_progress(), "being written")
         self.manager.wait_until_finished()
         self.manager.check_for_errors()
-        if not (self.directory / str(p["step"])).exists():
+        if primary() and not (self.directory / str(p["step"])).exists():  # the primary finalizes the step
             raise CheckpointError(f"Orbax finished without creating {self.directory / str(p['step'])}")
 
     def _start_work(self, p: dict) -> None:
-        """Once Orbax is done: checksums (and for S3 the upload) on the worker thread, in ``p['work']``."""
+        """Once Orbax is done: checksums (and for S3 the upload) on the worker thread, in ``p['work']``.
+
+        Many processes: only after every process's Orbax write finished (they agree first), the
+        primary checksums and uploads the step (the staging directory is shared, like Orbax's own).
+        """
         fut: Future = Future()
+        error = None
         try:
             self._orbax_done(p)
         except SaveTimeoutError:
             raise
         except Exception as err:  # noqa: BLE001 - reported by finish()
-            fut.set_exception(err)
+            error = err
+        error = agree(error, "writing its shards")
+        if error is not None:
+            fut.set_exception(error)
         else:
             fut = self._worker.submit(self._commit_work, p["step"])
         p["work"] = fut
 
     def _commit_work(self, step: int) -> dict:
-        """The step's file manifest (primary; sizes and CRC32C) and, for S3, this process's upload."""
-        t0, out = time.perf_counter(), {"files": {}}
+        """The step's file manifest (sizes and CRC32C) and, for S3, its upload: the primary's work."""
+        t0, out = time.perf_counter(), {"files": {}, "uploaded_bytes": 0}
         local = Path(self.directory / str(step))
-        if _primary():
+        if primary():
             out["files"] = integrity.local_manifest(local) if self.remote else self.store.manifest(str(step))
         out["checksum_s"] = time.perf_counter() - t0
-        if self.remote:
+        if self.remote and primary():
             out["uploaded_bytes"] = self.store.upload(local, str(step))
         return out
 
     def finish(self) -> Optional[bool]:
         """Waits for the pending save; commits it (True), or reports its failure (False). None: nothing pending.
+
+        Many processes agree on the outcome first: the commit marker is written (by the primary) only
+        when every process's part is durable, and a failure on any process is a failure on all.
 
         Raises:
           SaveTimeoutError: the save is past ``checkpoint.save_timeout_s`` (nothing is committed).
@@ -318,7 +323,7 @@ class Checkpointer:
         p, self._pending = self._pending, None
         if p is None:
             return None
-        step = p["step"]
+        step, work, error = p["step"], None, None
         try:
             if "work" not in p:
                 self._start_work(p)
@@ -327,45 +332,38 @@ class Checkpointer:
         except SaveTimeoutError:
             raise
         except Exception as err:  # noqa: BLE001 - any failure of the async write is reported, not raised
-            if _primary():
+            error = err
+        error = agree(error, "checksumming or uploading")
+        if error is not None:
+            if primary():
                 for name in self.store.names():
                     if name == str(step) or name.startswith(f"{step}.orbax-checkpoint-tmp"):
                         self.store.rmtree(name)
                 self.store.unlink(pending_name(step))
+            sync("jaxtrain_ckpt_failed")
             self._drop_staging(step)
             self.manager.reload()
-            self.report({"step": step, "checkpoint_failed": f"{type(err).__name__}: {err}",
+            self.report({"step": step, "checkpoint_failed": f"{type(error).__name__}: {error}",
                          "latest_committed": self.latest_step()})
             return False
         total = time.perf_counter() - p["t0"]
-        if _primary():
+        if primary():
             marker = {"format": FORMAT, "step": step, "time": time.time(), "metrics": p["metrics"],
                       "mesh": self.mesh_shape, "process_count": jax.process_count(), "tree": p["tree"],
                       "files": work["files"]}
             self.store.write_text(f"{step}/{MARKER}", json.dumps(marker))
             self.store.unlink(pending_name(step))
-        _sync("jaxtrain_ckpt_commit")
+        sync("jaxtrain_ckpt_commit")
         self._drop_staging(step)
-        removed = self.collect_garbage() if _primary() else []
-        _sync("jaxtrain_ckpt_gc")
+        removed = self.collect_garbage() if primary() else []
+        sync("jaxtrain_ckpt_gc")
         self.report({"step": step, "checkpoint_saved": step, "save_blocking_s": p["blocking_s"],
                      "save_total_s": total, "checksum_s": work["checksum_s"], "checkpoints_removed": removed})
         return True
 
     def keep_set(self, committed: dict[int, dict]) -> set[int]:
-        """Steps the policy keeps: the last ``keep``, the best ``keep_best`` by ``best_metric``, and
-        every multiple of ``keep_period``."""
-        c = self.options
-        steps = sorted(committed)
-        keep = set(steps[-c.keep:])
-        if c.keep_period:
-            keep |= {s for s in steps if s % c.keep_period == 0}
-        if c.keep_best:
-            scored = [(committed[s]["metrics"][c.best_metric], s) for s in steps
-                      if isinstance(committed[s].get("metrics", {}).get(c.best_metric), (int, float))]
-            scored.sort(reverse=c.best_mode == "max")
-            keep |= {s for _, s in scored[:c.keep_best]}
-        return keep
+        """Steps the policy keeps (:func:`jaxtrain.checkpoint.retention.keep_set`)."""
+        return retention.keep_set(self.options, committed)
 
     def collect_garbage(self) -> list[int]:
         """Deletes committed steps outside :meth:`keep_set` (marker first). Returns their steps."""
@@ -382,7 +380,8 @@ class Checkpointer:
 
     def _drop_staging(self, step: int) -> None:
         if self.remote:
-            shutil.rmtree(Path(self.directory / str(step)), ignore_errors=True)
+            if primary():
+                shutil.rmtree(Path(self.directory / str(step)), ignore_errors=True)
             self.manager.reload()
 
     # ------------------------------------------------------------------ restoring
@@ -407,9 +406,10 @@ class Checkpointer:
             raise CheckpointError(
                 f"checkpoint step {step} in {self.store.url} does not match the current config "
                 f"({len(bad)} mismatched paths):\n  " + "\n  ".join(bad))
-        if self.remote:
+        if self.remote:  # into the staging directory, shared by the processes like Orbax's own
             t0 = time.perf_counter()
-            nbytes = self.store.download(str(step), Path(self.directory / str(step)))
+            nbytes = self.store.download(str(step), Path(self.directory / str(step))) if primary() else 0
+            sync("jaxtrain_ckpt_downloaded")
             self.last_download = {"bytes": nbytes, "seconds": time.perf_counter() - t0}
             self.manager.reload()
         try:
@@ -421,6 +421,8 @@ class Checkpointer:
         except (ValueError, KeyError, TypeError, FileNotFoundError) as err:
             raise CheckpointError(f"checkpoint step {step} in {self.store.url} cannot be read: {err}") from err
         finally:
+            if self.remote:
+                sync("jaxtrain_ckpt_restored")
             self._drop_staging(step)
         return out["state"], dict(out["data"])
 
@@ -431,9 +433,9 @@ class Checkpointer:
         while name in names:
             n += 1
             name = f"{step}.corrupt{n}"
-        if _primary():
+        if primary():
             self.store.rename(str(step), name)
-        _sync("jaxtrain_ckpt_set_aside")
+        sync("jaxtrain_ckpt_set_aside")
         if not self.remote:
             self.manager.reload()
         return name

@@ -29,11 +29,23 @@ def cli(body: Callable[[], Optional[int]]) -> int:
         return report_startup_stop(stop)
     except JaxtrainError as err:
         print(f"error: {err}", file=sys.stderr)
+        # Many processes: a normal exit would wait in jax.distributed's shutdown barrier for peers that
+        # may be stuck in a collective; the others' heartbeat sees this one go and stops them too.
+        if _multiprocess():
+            from jaxtrain.parallel import distributed
+            distributed.leave(err.exit_code)
         if getattr(err, "hard_exit", False):
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(err.exit_code)
         return err.exit_code
+
+
+def _multiprocess() -> bool:
+    if "jax" not in sys.modules:
+        return False
+    from jax._src import distributed
+    return distributed.global_state.client is not None
 
 
 def prog(module: str) -> str:

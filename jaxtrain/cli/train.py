@@ -5,7 +5,9 @@ this interpreter's standard library). Rerunning a command with the same ``run.di
 resumes from the latest committed checkpoint. Exit codes: 0 done (or stopped cleanly by
 SIGTERM/SIGINT, also during start-up), 2 bad input (config, data, path, a corrupt checkpoint),
 3 the run diverged (non-finite steps or validation loss), 4 a checkpoint save stuck past
-``checkpoint.save_timeout_s``, 75 preemption grace expired.
+``checkpoint.save_timeout_s``, 5 a multi-process job whose processes did not all join within
+``distributed.init_timeout_s`` or one of which stopped answering (``distributed.peer_timeout_s``),
+75 preemption grace expired.
 """
 from __future__ import annotations
 
@@ -33,11 +35,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         enable_compilation_cache()
         log_to_console()
         from jaxtrain.config import load
+        from jaxtrain.parallel import distributed
         from jaxtrain.train import fit
         preempt.check_startup()
         cfg = load(args.config, args.overrides)
+        distributed.start(cfg.distributed)  # before anything touches a device
         preempt.check_startup()
         fit(cfg)
+        distributed.finished()
     return cli(body)
 
 

@@ -210,6 +210,24 @@ class ProfileConfig(_Section):
 
 
 
+class DistributedConfig(_Section):
+    """Multi-process start-up (``jax.distributed``; ``jaxtrain.parallel.distributed``).
+
+    ``auto`` starts it when the environment names several processes: these keys, else
+    ``JAXTRAIN_COORDINATOR_ADDRESS`` / ``JAXTRAIN_NUM_PROCESSES`` / ``JAXTRAIN_PROCESS_ID`` (or an
+    Indexed Job's ``JOB_COMPLETION_INDEX``; the GKE launcher sets these), Vertex AI's ``CLUSTER_SPEC``,
+    a SLURM step of several tasks (``srun``) or a multi-host TPU slice (JAX's own detection).
+    """
+
+    mode: Literal["auto", "on", "off"] = "auto"  # on: always call jax.distributed.initialize
+    coordinator_address: Optional[str] = None  # host:port of process 0
+    num_processes: Optional[int] = None
+    process_id: Optional[int] = None
+    init_timeout_s: float = 300.0  # waiting for every process to join: then DistributedError (exit 5)
+    peer_timeout_s: float = 300.0  # no progress in a collective (a peer died): DistributedError (exit 5)
+    stop_check_every: int = 1  # steps between the all-reduces that agree on a SIGTERM/SIGINT stop
+
+
 class Config(_Section):
     model: SerializeAsAny[ModelConfig] = Field(default_factory=lambda: family_config(DEFAULT_FAMILY)())
     mesh: MeshConfig = MeshConfig()
@@ -221,6 +239,7 @@ class Config(_Section):
     run: RunConfig = RunConfig()
     metrics: MetricsConfig = MetricsConfig()
     profile: ProfileConfig = ProfileConfig()
+    distributed: DistributedConfig = DistributedConfig()
 
     @field_validator("model", mode="before")
     @classmethod

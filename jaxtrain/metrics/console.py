@@ -22,10 +22,12 @@ def format_flops(flops_per_s: Optional[float]) -> str:
 
 class Reporter:
     """Prints to stdout. On a terminal it also shows a progress bar (not when ``quiet``) and
-    spinners for slow phases; elsewhere (a log file, CI) only plain lines are printed."""
+    spinners for slow phases; elsewhere (a log file, CI) only plain lines are printed; when
+    ``silent``, nothing at all."""
 
-    def __init__(self, quiet: bool, total: int, console: Optional[Console] = None):
-        self.console = console or Console(stderr=False, highlight=False)
+    def __init__(self, quiet: bool, total: int, console: Optional[Console] = None, silent: bool = False):
+        # silent: a multi-process run's processes other than 0 print nothing (one voice)
+        self.console = console or Console(stderr=False, highlight=False, quiet=silent)
         self.quiet = quiet or not self.console.is_terminal
         self.total = total
         self._progress: Optional[Progress] = None

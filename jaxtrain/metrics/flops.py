@@ -81,7 +81,7 @@ def calibrate_cpu_flops(n: int = 1024, repeats: int = 5, dtype: str = "float32")
     CPU uses this same-process measurement rather than a constant. All XLA CPU
     devices of a process share one thread pool, so this is the host's rate.
     """
-    cpu = jax.devices("cpu")[0]
+    cpu = jax.local_devices(backend="cpu")[0]  # this process's own: another's would time a collective
     a = jax.device_put(jnp.ones((n, n), jnp.dtype(dtype)), cpu)
     f = jax.jit(lambda x: x @ x)
     f(a).block_until_ready()
@@ -98,7 +98,8 @@ def total_peak_flops(cfg: Config, devices, calibrate: bool = True) -> tuple[Opti
 
     Order: ``train.peak_tflops`` (per device, x device count) if set; on CPU a
     matmul timed now in this process (the host's rate, not multiplied by the
-    number of simulated devices; ``calibrate=False`` skips it -> None); else the
+    number of simulated devices, times the number of processes: each calibrates its own host;
+    ``calibrate=False`` skips it -> None); else the
     table for the device kind and ``model.dtype`` (float32 when the model section has
     none, e.g. ``family: custom``). Returns (None, reason) for an
     unknown accelerator or dtype without ``train.peak_tflops``: MFU is then
@@ -111,7 +112,9 @@ def total_peak_flops(cfg: Config, devices, calibrate: bool = True) -> tuple[Opti
     if devices[0].platform == "cpu":
         if not calibrate:
             return None, "cpu (calibration skipped)"
-        return calibrate_cpu_flops(dtype=dtype), f"calibrated host {dtype} matmul"
+        hosts = jax.process_count()  # each process calibrates its own host; the mesh spans them all
+        return (calibrate_cpu_flops(dtype=dtype) * hosts,
+                f"calibrated host {dtype} matmul" + (f" x {hosts} processes" if hosts > 1 else ""))
     peak = device_peak_flops(devices[0], dtype)
     if peak is None:
         return None, f"no peak for device kind '{devices[0].device_kind}' / {dtype} (set train.peak_tflops)"

@@ -19,6 +19,7 @@ from jaxtrain.metrics import flops
 from jaxtrain.metrics.console import Reporter, format_flops
 from jaxtrain.metrics.profile import StepProfiler
 from jaxtrain.metrics.sinks import Sinks
+from jaxtrain.parallel import distributed
 from jaxtrain.parallel.mesh import describe
 from jaxtrain.train import hooks as H, preempt, rundir
 from jaxtrain.train.loop import Hook, Loop, RunResult, train_loop
@@ -47,21 +48,23 @@ def fit(cfg: Config, spec: Optional[ModelSpec] = None, data: Any = None, *,
     """
     if spec is not None and data is None:
         raise ValueError("fit: a ModelSpec needs its data source (e.g. jaxtrain.data.ArrayData)")
-    out = Reporter(quiet=quiet or not cfg.run.progress, total=cfg.train.steps)
+    primary = distributed.is_primary()
+    out = Reporter(quiet=quiet or not cfg.run.progress, total=cfg.train.steps, silent=not primary)
     with out.status("checking the config, loading the data"):
         s = setup(cfg, devices, spec=spec, data=data, load_data=True, run_dir=Path(cfg.run.dir).expanduser())
     preempt.check_startup()  # a signal while the data loaded (the command line's start-up only)
-    with rundir.opened(cfg, lock=jax.process_index() == 0) as run_dir:
+    with rundir.opened(cfg, lock=primary) as run_dir:
         return _fit(s, run_dir, out, hooks)
 
 
 def _fit(s: Setup, run_dir: Path, out: Reporter, extra: Sequence[Hook]) -> RunResult:
     cfg, data = s.cfg, s.data
-    if data.tokenizer is not None:
+    primary = distributed.is_primary()  # writes the run's files; the others write nothing
+    if data.tokenizer is not None and primary:
         tokenizers.save(data.tokenizer, run_dir)
     for line in data.info:
         out.info(line)
-    sinks = Sinks(cfg, run_dir, out, s.spec.unit, primary=jax.process_index() == 0)
+    sinks = Sinks(cfg, run_dir, out, s.spec.unit, primary=primary)
     result = RunResult(run_dir=run_dir)
     loop: Optional[Loop] = None
 
@@ -85,7 +88,8 @@ def _fit(s: Setup, run_dir: Path, out: Reporter, extra: Sequence[Hook]) -> RunRe
         preempt.check_startup()
         if ckpt:
             _check_no_clash(ckpt, start, cfg.train.steps)
-        rundir.write_config_file(cfg, run_dir)  # only now: a failed resume leaves the old config.yaml
+        if primary:
+            rundir.write_config_file(cfg, run_dir)  # only now: a failed resume leaves the old config.yaml
         sinks.drop_after(start)
         if start >= cfg.train.steps:
             out.info(f"checkpoint step {start} >= train.steps={cfg.train.steps}: nothing to train "

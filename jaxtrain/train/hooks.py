@@ -7,6 +7,7 @@ profiler, the progress bar; the sample comes at the end.
 """
 from __future__ import annotations
 
+import signal
 import time
 from typing import Any, Optional
 
@@ -35,6 +36,10 @@ class StopOnSignal(Hook):
     """SIGTERM/SIGINT: the current step is the last (the checkpoint hook saves and commits it), then the
     run ends with exit 0; ``checkpoint.grace_period_s`` bounds the wait (``jaxtrain.train.preempt``).
 
+    Many processes: a signal that reaches any one of them stops all of them at the same step; they
+    agree every ``distributed.stop_check_every`` steps (:class:`jaxtrain.train.preempt.StopAgreement`),
+    so the stop comes one check after the signal.
+
     The handlers stay in until :meth:`release` (``fit`` calls it after every hook has ended), so a
     signal during the final evaluation, save or sample lets them finish too.
     """
@@ -43,17 +48,26 @@ class StopOnSignal(Hook):
         self.loop = loop
         self.signals = preempt.Preemption(loop.cfg.checkpoint.grace_period_s).__enter__()
         preempt.startup_over()  # after: no moment without a handler that stops cleanly
+        self.agreement = preempt.StopAgreement(loop.setup.mesh.devices) if jax.process_count() > 1 else None
 
     def after_step(self, loop: Loop, step: int, metrics: dict) -> None:
-        if self.signals.requested:
-            loop.stopping = loop.result.preempted = self.signals.name
+        if self.agreement is None:
+            signum = self.signals.signum
+        elif step % loop.cfg.distributed.stop_check_every == 0 and step < loop.cfg.train.steps:
+            signum = self.agreement.exchange(self.signals.signum)
+        else:
+            return
+        if signum:
+            loop.stopping = loop.result.preempted = signal.Signals(signum).name
             self.step = step
 
     def on_end(self, loop: Loop, ok: bool) -> None:
         if hasattr(self, "signals") and ok and loop.stopping:
             self.signals.finished()
             saved = "committed" if loop.committed == self.step else "NOT saved"
-            loop.out.info(f"{loop.stopping}: stopped after step {self.step}; checkpoint {saved}; rerun to resume")
+            other = " (received by another process)" if self.signals.signum is None else ""
+            loop.out.info(f"{loop.stopping}{other}: stopped after step {self.step}; checkpoint {saved}; "
+                          f"rerun to resume")
 
     def release(self, ok: bool) -> None:
         """Restores the previous handlers; says so if a signal came after the last step."""

@@ -18,6 +18,8 @@ import threading
 import time
 from typing import Optional
 
+import numpy as np
+
 GRACE_EXPIRED_EXIT = 75  # EX_TEMPFAIL: the job may be retried
 
 
@@ -60,14 +62,9 @@ class Preemption:
 
     @property
     def requested(self) -> bool:
-        """True once a signal arrived on any process (an all-process agreement when multi-host)."""
-        flag = self.signum is not None
-        import jax
-        if jax.process_count() > 1:
-            import numpy as np
-            from jax.experimental import multihost_utils
-            flag = bool(np.any(multihost_utils.process_allgather(np.array(flag))))
-        return flag
+        """True once a signal arrived in this process (many processes agree through
+        :class:`StopAgreement`)."""
+        return self.signum is not None
 
     @property
     def name(self) -> str:
@@ -76,6 +73,36 @@ class Preemption:
     def finished(self) -> None:
         """The save committed: stop the watchdog."""
         self._done.set()
+
+
+class StopAgreement:
+    """Many processes stop at the same step: each check all-reduces (max) every process's signal
+    number with a tiny jitted collective over the run's devices. The result is read at the *next*
+    check, so the host never waits for it, and every process reads the same value at the same step.
+
+    Args:
+      devices: every device of the job (the mesh's), in the same order on every process.
+    """
+
+    def __init__(self, devices):
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        mesh = Mesh(np.asarray(devices).reshape(-1), ("processes",))
+        self.sharding = NamedSharding(mesh, P("processes"))
+        self.n_local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+        self.n = mesh.devices.size
+        self._reduce = jax.jit(jnp.max, out_shardings=NamedSharding(mesh, P()))
+        self._pending = None
+
+    def exchange(self, signum: Optional[int]) -> int:
+        """Sends this process's signal number (0: none); returns the job's largest at the previous
+        exchange (0 at the first)."""
+        import jax
+        agreed = int(self._pending) if self._pending is not None else 0
+        local = np.full((self.n_local,), signum or 0, np.int32)
+        self._pending = self._reduce(jax.make_array_from_process_local_data(self.sharding, local, (self.n,)))
+        return agreed
 
 
 class StartupInterrupted(BaseException):

@@ -41,7 +41,18 @@ def opened(cfg: Config, new: bool = False, lock: bool = True) -> Iterator[Path]:
         ``new``, or is a non-empty directory that is not a jaxtrain run directory (so a user's files
         are never overwritten).
     """
+    from jaxtrain.parallel import distributed
     run_dir = Path(cfg.run.dir).expanduser()
+    # Many processes: process 0 checks, creates, locks and writes it; an error there is every process's.
+    held = distributed.primary_first("run_dir", lambda: _open(run_dir, new, lock))
+    try:
+        yield run_dir
+    finally:
+        if held is not None:
+            held.release()
+
+
+def _open(run_dir: Path, new: bool, lock: bool) -> "RunLock":
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"run.dir: '{run_dir}' exists and is not a directory")
     if run_dir.is_dir() and any(run_dir.iterdir()):
@@ -57,9 +68,10 @@ def opened(cfg: Config, new: bool = False, lock: bool = True) -> Iterator[Path]:
     held = RunLock(run_dir, enabled=lock)
     try:
         _write_versions(run_dir)
-        yield run_dir
-    finally:
+    except BaseException:
         held.release()
+        raise
+    return held
 
 
 def _write_versions(run_dir: Path) -> None:

@@ -247,7 +247,8 @@ def build(cfg: Config, mesh: Mesh, rules: Rules, spec: ModelSpec) -> StepFunctio
                              jax.device_put(h0, replicated)),
         grads=jax.jit(grads_fn, in_shardings=(param_sh, batch_sh)),
         eval_step=jax.jit(eval_fn, in_shardings=(param_sh, eval_sh), out_shardings=replicated),
-        apply=jax.jit(apply, in_shardings=(param_sh, None)),
+        # replicated output: every process can read the logits, also when a model axis spans processes
+        apply=jax.jit(apply, in_shardings=(param_sh, None), out_shardings=replicated),
         model_dtypes=model_dtypes, low_precision=low_precision,
     )
 

@@ -1,0 +1,199 @@
+"""What the three launch targets share: the command line, config validation, the training command.
+
+``python -m jaxtrain.launch TARGET --config FILE [key=value ...] [flags]``: the target's module
+(``gke``, ``vertex``, ``slurm``) adds its own flags and turns a :class:`Job` into a spec
+(``build``), prints it (``render``, for ``--dry-run``) or submits it (``submit``). The config is
+loaded and validated here first, so a bad key is ``error: <key>: ...`` (exit 2) before anything
+is generated or sent.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from jaxtrain.errors import InputError, JaxtrainError
+
+TARGETS = {"gke": "GKE JobSet", "vertex": "Vertex AI CustomJob", "slurm": "SLURM sbatch script"}
+INSTALL_HINT = "pip install 'jaxtrain[launch]'"
+_ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class LaunchError(InputError):
+    """Bad launcher input (a flag, the config, a missing client library): nothing was submitted. Exit 2."""
+
+
+class SubmitError(JaxtrainError):
+    """The scheduler or API refused or failed the submission (an HTTP 4xx/5xx, sbatch failing). Exit 1."""
+
+    exit_code = 1
+
+
+@dataclass
+class Job:
+    """What every target needs: the validated config and how to start ``jaxtrain.train`` on each process."""
+
+    target: str
+    cfg: Any  # the validated jaxtrain.config.Config
+    config_path: str  # as the container / cluster sees it
+    overrides: list[str]
+    nodes: int
+    name: str
+    env: dict[str, str] = field(default_factory=dict)
+
+    def train_args(self) -> list[str]:
+        """The arguments after ``python -m jaxtrain.train``: the config file, then the overrides unchanged."""
+        return ["--config", self.config_path, *self.overrides]
+
+    def train_command(self, python: str = "python") -> list[str]:
+        """``python -m jaxtrain.train --config FILE key=value ...`` as an argv list."""
+        return [python, "-m", "jaxtrain.train", *self.train_args()]
+
+    def local_checkpoints(self) -> Optional[str]:
+        """The checkpoint directory when it is on a local disk (a restarted pod or VM loses it), else None."""
+        ckpt = self.cfg.checkpoint.dir or f"{self.cfg.run.dir.rstrip('/')}/checkpoints"
+        return None if ckpt.startswith(("gs://", "s3://")) else ckpt
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose mistakes are a named error (``error: ...``, exit 2) like every jaxtrain command."""
+
+    def error(self, message: str):
+        raise LaunchError(f"{message} (see {self.prog} --help)")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    return _int(text, 1)
+
+
+def nonnegative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    return _int(text, 0)
+
+
+def _int(text: str, low: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got '{text}'") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+    return value
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of every target: config, overrides, process count, name, env, dry run."""
+    parser.add_argument("--config", required=True,
+                        help="YAML config file (or a name in configs/), validated here before anything is generated")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, passed to every process unchanged")
+    parser.add_argument("--container-config", metavar="PATH",
+                        help="the config file's path as the job sees it (default: --config as given)")
+    parser.add_argument("--nodes", type=positive_int, default=1,
+                        help="hosts (GKE pods, Vertex replicas, SLURM nodes) (default: 1)")
+    parser.add_argument("--name", help="job name (default: jaxtrain-<config file stem>)")
+    parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                        help="an environment variable for every process (repeatable)")
+    parser.add_argument("--dry-run", action="store_true", help="print what would be submitted; submit nothing")
+
+
+def add_container_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of the container targets (GKE, Vertex): image and accelerators per node."""
+    parser.add_argument("--image", required=True, help="container image with jaxtrain installed")
+    parser.add_argument("--accelerator", help="accelerator type per node (none: CPU only)")
+    parser.add_argument("--accelerator-count", type=positive_int,
+                        help="accelerators (GPUs or TPU chips) per node (default 1 with --accelerator)")
+    parser.add_argument("--tpu-topology", help="TPU slice topology, e.g. 2x2x2")
+
+
+def accelerator_count(args: argparse.Namespace) -> int:
+    """Accelerators per node: --accelerator-count (only with --accelerator), default 1."""
+    if args.accelerator_count is not None and not args.accelerator:
+        raise LaunchError("--accelerator-count: needs --accelerator (the accelerator type)")
+    return args.accelerator_count or (1 if args.accelerator else 0)
+
+
+def parse_env(items: Sequence[str]) -> dict[str, str]:
+    """``['KEY=VALUE', ...]`` -> dict; a bad item is a LaunchError naming it."""
+    env: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not _ENV_KEY.match(key):
+            raise LaunchError(f"--env: expected KEY=VALUE with KEY a variable name, got '{item}'")
+        env[key] = value
+    return env
+
+
+def default_name(config: str) -> str:
+    """``jaxtrain-<config stem>``, lower case with dashes (a valid Kubernetes name for ordinary stems)."""
+    stem = re.sub(r"[^a-z0-9]+", "-", Path(config).stem.lower()).strip("-")
+    return f"jaxtrain-{stem}"[:40].rstrip("-")
+
+
+def require(module: str, target: str, package: str) -> Any:
+    """Imports ``module`` of the client library ``package``, or raises LaunchError saying how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise LaunchError(f"the {target} launcher needs '{package}', which is not installed: {INSTALL_HINT}") from None
+
+
+def connection_reason(err: BaseException) -> str:
+    """A short reason for a failed connection: the innermost ``[Errno N] ...`` when there is one."""
+    text = str(err)
+    found = re.findall(r"\[Errno -?\d+\] [^'\")\]]+", text)
+    return found[-1].strip() if found else (text.splitlines() or [type(err).__name__])[0][:200]
+
+
+def note(message: str) -> None:
+    """A note on stderr: it never mixes into the printed spec on stdout."""
+    print(f"note: {message}", file=sys.stderr)
+
+
+def _usage(prog: str) -> str:
+    targets = "\n".join(f"  {t:<7} {what}" for t, what in TARGETS.items())
+    return (f"usage: {prog} {{{','.join(TARGETS)}}} --config FILE [key=value ...] [flags]\n\n"
+            f"Submit a multi-process jaxtrain.train job:\n{targets}\n\n"
+            f"`{prog} TARGET --help` lists a target's flags.")
+
+
+def run(argv: Sequence[str], prog: str) -> int:
+    """Parses ``argv`` (target first), validates the config, then prints (--dry-run) or submits the job."""
+    if argv and argv[0] in ("-h", "--help"):
+        print(_usage(prog))
+        return 0
+    if not argv or argv[0].startswith("-"):
+        raise LaunchError(f"the first argument must be the target: {', '.join(TARGETS)} (see {prog} --help)")
+    target, rest = argv[0], list(argv[1:])
+    if target not in TARGETS:
+        raise LaunchError(f"unknown target '{target}' (choose one of: {', '.join(TARGETS)})")
+    module = importlib.import_module(f"jaxtrain.launch.{target}")
+    parser = _Parser(prog=f"{prog} {target}", description=f"Submit jaxtrain.train as a {TARGETS[target]}.")
+    add_common_args(parser)
+    module.add_args(parser)
+    args = parser.parse_intermixed_args(rest)
+    from jaxtrain.config import load  # imports jax: after the cheap flag checks
+    cfg = load(args.config, args.overrides)
+    job = Job(target=target, cfg=cfg, config_path=args.container_config or args.config,
+              overrides=list(args.overrides), nodes=args.nodes, name=args.name or default_name(args.config),
+              env=parse_env(args.env))
+    spec = module.build(job, args)
+    for message in module.notes(job, args):
+        note(message)
+    if args.dry_run:
+        print(module.render(spec))
+        return 0
+    print(module.submit(spec, job, args))
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``python -m jaxtrain.launch`` / ``jaxtrain-launch``: named errors become exit codes."""
+    from jaxtrain.cli.common import cli, prog
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return cli(lambda: run(argv, prog("jaxtrain.launch")))
+

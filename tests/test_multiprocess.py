@@ -137,3 +137,16 @@ def test_a_missing_peer_is_a_named_timeout(tmp_path, corpus_path):
     assert "error: distributed.init_timeout_s: process 0 of 2 waited 4 s for every process to join at 127.0.0.1:" in out
     assert "Check failure stack trace" not in out
     assert not (run_dir / "metrics.jsonl").exists()
+
+
+def test_a_signal_during_one_process_start_up_stops_every_process(tmp_path, corpus_path):
+    run_dir = tmp_path / "run"
+    job = mp.Job(2, 4, args(corpus_path, run_dir, "distributed.peer_timeout_s=6"))
+    job.wait_for("distributed: process 1 of 2 joined", process=1)
+    job.procs[1].send_signal(signal.SIGTERM)
+    assert job.wait(timeout=120) == [0, 0]
+    assert "SIGTERM before the first training step: nothing was trained" in job.output(1)
+    assert ("process 1 of 2 stopped on a signal before the first training step; stopping process 0 too: nothing "
+            "was trained, so nothing was saved; rerun to continue") in job.output(0)
+    assert "Traceback" not in job.output(0) and "Check failure" not in job.output(0)
+    assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())

@@ -6,6 +6,7 @@ import logging
 import os
 import re
 import sys
+import traceback
 from typing import Callable, Optional, Sequence
 
 from jaxtrain.errors import JaxtrainError
@@ -26,7 +27,11 @@ def cli(body: Callable[[], Optional[int]]) -> int:
         return body() or 0
     except StartupInterrupted as stop:
         from jaxtrain.train.preempt import report_startup_stop
-        return report_startup_stop(stop)
+        code = report_startup_stop(stop)
+        if _multiprocess():  # the others are told, and stop too (they would wait for this one for ever)
+            from jaxtrain.parallel import distributed
+            distributed.leave(code)
+        return code
     except JaxtrainError as err:
         print(f"error: {err}", file=sys.stderr)
         # Many processes: a normal exit would wait in jax.distributed's shutdown barrier for peers that
@@ -39,6 +44,13 @@ def cli(body: Callable[[], Optional[int]]) -> int:
             sys.stderr.flush()
             os._exit(err.exit_code)
         return err.exit_code
+    except Exception:
+        if _multiprocess():
+            from jaxtrain.parallel import distributed
+            distributed.peer_left_first()  # a collective failing because a peer left: say so, no traceback
+            traceback.print_exc()
+            distributed.leave(1)  # a bug here: the others stop too instead of waiting in a collective
+        raise
 
 
 def _multiprocess() -> bool:

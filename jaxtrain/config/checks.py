@@ -44,6 +44,12 @@ def check_consistency(cfg: "Config") -> None:
             f"train.global_batch: {t.global_batch} is not divisible by train.grad_accum={t.grad_accum}")
     _check_data(cfg)
     _check_optimizer(cfg.optimizer)
+    d = cfg.distributed
+    for key in ("init_timeout_s", "peer_timeout_s", "stop_check_every", "num_processes"):
+        if getattr(d, key) is not None:
+            positive(f"distributed.{key}", getattr(d, key))
+    if d.process_id is not None and d.process_id < 0:
+        raise ConfigError(f"distributed.process_id: must be >= 0, got {d.process_id}")
     if t.sample_tokens < 0:
         raise ConfigError(f"train.sample_tokens: must be >= 0, got {t.sample_tokens}")
     if t.peak_tflops is not None and not 0 < t.peak_tflops < math.inf:

@@ -124,10 +124,12 @@ def _every(seconds: float, stop: threading.Event, tick: Callable[[float], bool],
     return thread
 
 
-def _die(message: str) -> None:
+def _die(message: str, code: int = EXIT_CODE) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.stdout.flush()
-    os._exit(EXIT_CODE)
+    if _heartbeat["current"] is not None:  # joined: tell the others
+        leave(code)
+    os._exit(code)
 
 
 def initialize(d, plan: Plan) -> None:
@@ -176,13 +178,14 @@ class Heartbeat:
     """
 
     def __init__(self, peer_timeout_s: float):
-        import jax
         from jax._src import distributed as jd
-        self.client, self.pid, self.n = jd.global_state.client, jax.process_index(), jax.process_count()
+        state = jd.global_state
+        self.client, self.pid, self.n = state.client, state.process_id, state.num_processes
         self.timeout, self.count, self.stop = peer_timeout_s, 0, threading.Event()
         self.seen: dict[int, tuple[str, float]] = {}
         self.failing_since: Optional[float] = None
-        self.thread = _every(max(0.5, min(5.0, peer_timeout_s / 6)), self.stop, self._tick, "jaxtrain-heartbeat")
+        self.interval = max(0.5, min(5.0, peer_timeout_s / 6))
+        self.thread = _every(self.interval, self.stop, self._tick, "jaxtrain-heartbeat")
 
     def _tick(self, elapsed: float) -> bool:
         now = time.monotonic()
@@ -191,6 +194,7 @@ class Heartbeat:
             self.client.key_value_set(f"jaxtrain/alive/{self.pid}", str(self.count), allow_overwrite=True)
             alive = dict(self.client.key_value_dir_get("jaxtrain/alive/"))
             done = {k.rsplit("/", 1)[-1] for k, _ in self.client.key_value_dir_get("jaxtrain/done/")}
+            left = {int(k.rsplit("/", 1)[-1]): v for k, v in self.client.key_value_dir_get("jaxtrain/exit/")}
             self.failing_since = None
         except Exception as err:  # noqa: BLE001 - the coordinator (process 0) is gone or unreachable
             if self.stop.is_set():
@@ -201,6 +205,9 @@ class Heartbeat:
                      f"{now - self.failing_since:.0f} s ({type(err).__name__}); it died or its node was lost. "
                      f"Stopping process {self.pid} too; committed checkpoints are intact, rerun to resume")
             return True
+        for p, code in sorted(left.items()):
+            if p != self.pid and not self.stop.is_set():
+                self._peer_left(p, int(code))
         for p in range(self.n):
             value = alive.get(f"jaxtrain/alive/{p}", "")
             if p == self.pid or str(p) in done:
@@ -212,6 +219,17 @@ class Heartbeat:
                      f"{now - self.seen[p][1]:.0f} s; it died or hangs (killed, out of memory, a lost node). "
                      f"Stopping process {self.pid} too; committed checkpoints are intact, rerun to resume")
         return True
+
+    def _peer_left(self, p: int, code: int) -> None:
+        """Process ``p`` ended early (:func:`leave`): the others cannot go on without it."""
+        self.stop.set()
+        if code == 0:  # a signal before the first step: nothing was trained anywhere
+            print(f"process {p} of {self.n} stopped on a signal before the first training step; stopping process "
+                  f"{self.pid} too: nothing was trained, so nothing was saved; rerun to continue",
+                  file=sys.stderr, flush=True)
+            leave(0)
+        _die(f"process {p} of {self.n} ended with exit code {code} (its own log says why); stopping process "
+             f"{self.pid} too with the same code; committed checkpoints are intact", code)
 
     def finished(self) -> None:
         """This process is done: peers stop watching it, and it stops watching them."""
@@ -251,33 +269,46 @@ def finished() -> None:
 
 
 def leave(code: int) -> None:
-    """Ends a multi-process run's process at once with ``code`` after a named error (a normal exit would
-    wait in ``jax.distributed``'s shutdown barrier for peers that may be stuck in a collective).
+    """Ends a multi-process run's process at once with ``code`` (a normal exit would wait in
+    ``jax.distributed``'s shutdown barrier for peers that may be stuck in a collective).
 
-    Process 0 hosts the coordination service, whose end aborts every other process: it waits up to
-    5 s for the others that are leaving too, so their own error line comes first.
+    It first tells the others (a key in the coordinator's store): their :class:`Heartbeat` ends them
+    with the same code. Process 0 hosts the coordination service, whose end aborts every other
+    process, so it waits (a heartbeat interval and 5 s at most) until the others have left.
     """
     sys.stdout.flush()
     sys.stderr.flush()
-    import jax
-    from jax._src import distributed as jd
-    client, pid = jd.global_state.client, jax.process_index()
+    from jax._src import distributed as jd  # not jax.process_index(): from a thread it may init a backend
+    state = jd.global_state
+    client, pid = state.client, state.process_id
     try:
-        if pid != 0:
-            client.key_value_set(f"jaxtrain/exit/{pid}", str(code), allow_overwrite=True)
-        else:
-            end = time.monotonic() + 5.0
-            for p in range(1, jax.process_count()):
-                left = int(1000 * (end - time.monotonic()))
-                if left <= 0:
+        client.key_value_set(f"jaxtrain/exit/{pid}", str(code), allow_overwrite=True)
+        if pid == 0:
+            beat = _heartbeat["current"]
+            end = time.monotonic() + 5.0 + (beat.interval if beat is not None else 5.0)
+            for p in range(1, state.num_processes):
+                wait_ms = int(1000 * (end - time.monotonic()))
+                if wait_ms <= 0:
                     break
-                try:
-                    client.blocking_key_value_get(f"jaxtrain/exit/{p}", left)
-                except Exception:  # noqa: BLE001 - that one is still running: it will hear of this
-                    break
+                client.blocking_key_value_get(f"jaxtrain/exit/{p}", wait_ms)
     except Exception:  # noqa: BLE001 - leaving anyway
         pass
     os._exit(code)
+
+
+def peer_left_first() -> None:
+    """After an unexpected error in a multi-process run: if a peer had already left (a collective then
+    fails with a connection error), end the way its leaving asks for, with no traceback. Else returns."""
+    beat = _heartbeat["current"]
+    if beat is None:
+        return
+    try:
+        left = {int(k.rsplit("/", 1)[-1]): int(v) for k, v in beat.client.key_value_dir_get("jaxtrain/exit/")}
+    except Exception:  # noqa: BLE001 - the coordinator is gone: the error itself is the news
+        return
+    left.pop(beat.pid, None)
+    if left:
+        beat._peer_left(*min(left.items()))
 
 
 def is_primary() -> bool:

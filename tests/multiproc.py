@@ -34,8 +34,9 @@ class Job:
     """``processes`` trainers of one job (``devices`` CPU devices each); output goes to files."""
 
     def __init__(self, processes: int, devices: int, args: list[str], extra_env: dict | None = None,
-                 log_dir: Path | None = None, only: list[int] | None = None):
-        """``only``: start just these process ids (the others never come)."""
+                 log_dir: Path | None = None, only: list[int] | None = None, per_process: dict | None = None):
+        """``only``: start just these process ids (the others never come). ``per_process``: ``{id: (extra
+        args, extra env)}`` for some of them."""
         self.port = portpicker.pick_unused_port()
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="jaxtrain-job-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -44,9 +45,12 @@ class Job:
             env = environment(devices, {"JAXTRAIN_COORDINATOR_ADDRESS": f"127.0.0.1:{self.port}",
                                         "JAXTRAIN_NUM_PROCESSES": str(processes), "JAXTRAIN_PROCESS_ID": str(i),
                                         **(extra_env or {})})
+            more_args, more_env = (per_process or {}).get(i, ([], {}))
+            env.update(more_env)
             log = open(self.log_dir / f"process{i}.log", "w")
             self.logs.append(log)
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "jaxtrain.train", *args], env=env, cwd=REPO,
+            self.procs.append(subprocess.Popen([sys.executable, "-m", "jaxtrain.train", *args, *more_args], env=env,
+                                               cwd=REPO,
                                                stdout=log, stderr=subprocess.STDOUT))
 
     def output(self, i: int) -> str:

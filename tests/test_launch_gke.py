@@ -129,7 +129,7 @@ BROKEN = {
 @pytest.mark.parametrize("case", sorted(BROKEN))
 def test_broken_manifest_fails_validation(capsys, validators, case):
     """The schema check can fail: each deliberate mistake is caught."""
-    manifest, _ = _dry_run(capsys, *VARIANTS["gpu"])
+    manifest, _ = _dry_run(capsys, *VARIANTS["gpu"], "checkpoint.dir=gs://bucket/ck")
     mutate, which = BROKEN[case]
     broken = copy.deepcopy(manifest)
     mutate(broken)
@@ -140,16 +140,15 @@ def test_broken_manifest_fails_validation(capsys, validators, case):
 
 
 def test_env_flag_and_overrides(capsys):
-    manifest, _ = _dry_run(capsys, "--nodes", "2", "--env", "XLA_FLAGS=--xla_dump_to=/tmp/x", "--env",
-                           "JAXTRAIN_NUM_PROCESSES=5", "--namespace", "ml", "--max-restarts", "7", "--name", "shk",
-                           "--coordinator-port", "1234", "--container-config", "/app/shk.yaml",
-                           "train.sample_prompt=to be")
+    manifest, _ = _dry_run(capsys, "--nodes", "2", "--env", "XLA_FLAGS=--xla_dump_to=/tmp/x", "--namespace", "ml",
+                           "--max-restarts", "7", "--name", "shk", "--coordinator-port", "1234", "--container-config",
+                           "/app/shk.yaml", "train.sample_prompt=to be", "checkpoint.dir=gs://b/ck")
     (container,) = _pod(manifest)["containers"]
     assert container["env"] == [
         {"name": "JAXTRAIN_COORDINATOR_ADDRESS", "value": "shk-workers-0-0.shk:1234"},
-        {"name": "JAXTRAIN_NUM_PROCESSES", "value": "5"},  # --env wins over the launcher's value
+        {"name": "JAXTRAIN_NUM_PROCESSES", "value": "2"},
         PROCESS_ID_ENV, {"name": "XLA_FLAGS", "value": "--xla_dump_to=/tmp/x"}]
-    assert container["args"] == ["--config", "/app/shk.yaml", "train.sample_prompt=to be"]
+    assert container["args"] == ["--config", "/app/shk.yaml", "train.sample_prompt=to be", "checkpoint.dir=gs://b/ck"]
     assert manifest["metadata"]["namespace"] == "ml" and manifest["spec"]["failurePolicy"]["maxRestarts"] == 7
     assert _pod(manifest)["terminationGracePeriodSeconds"] == 60  # checkpoint.grace_period_s 30 + 30
 
@@ -186,6 +185,13 @@ def test_local_checkpoint_dir_is_noted_on_stderr(capsys):
     (["--env", "1X=2"], "--env: expected KEY=VALUE with KEY a variable name, got '1X=2'"),
     (["train.stepz=3"], "unknown config key 'train.stepz'; did you mean 'train.steps'?"),
     (["train.steps=0"], "train.steps: must be > 0, got 0"),
+    (["--env", "JAXTRAIN_NUM_PROCESSES=5"],
+     "--env: JAXTRAIN_NUM_PROCESSES is set for each process by the launcher or the platform; leave it out"),
+    (["distributed.num_processes=3"], "distributed.num_processes: set for each process by the launcher; leave it unset"),
+    (["--nodes", "2", "checkpoint.dir=gs://b/c", "distributed.mode=off"],
+     "distributed.mode: 'off' would make each of the 2 processes train alone; use auto"),
+    (["--nodes", "2"], ("checkpoint.dir: 'runs/shakespeare_char/checkpoints' is on each node's own disk, but the 2 "
+                        "nodes write one checkpoint together; set checkpoint.dir=gs://BUCKET/PATH (or s3://)")),
 ])
 def test_bad_input_is_a_named_error(capsys, args, message):
     code, out, err = launch(capsys, "gke", "--config", CONFIG, "--image", "img", "--dry-run", *args)
@@ -195,7 +201,7 @@ def test_bad_input_is_a_named_error(capsys, args, message):
 def test_pod_name_limit_counts_the_last_pod(capsys):
     ok = "a" * 51  # a-...-workers-0-9 is 63 characters: allowed
     code, _, err = launch(capsys, "gke", "--config", CONFIG, "--image", "img", "--dry-run", "--nodes", "10",
-                          "--name", ok)
+                          "--name", ok, "checkpoint.dir=gs://b/c")
     assert code == 0, err
     code, _, err = launch(capsys, "gke", "--config", CONFIG, "--image", "img", "--dry-run", "--nodes", "11",
                           "--name", ok)

@@ -60,13 +60,18 @@ def test_single_node_has_only_the_chief_pool_and_a_tpu_topology(capsys):
 def test_cpu_only_job_and_local_checkpoint_note(capsys):
     code, out, err = launch(capsys, *BASE, "--nodes", "2", "--dry-run", "--name", "shk run", "--service-account",
                             "trainer@my-proj.iam.gserviceaccount.com")
+    assert (code, err) == (2, "error: checkpoint.dir: 'runs/shakespeare_char/checkpoints' is on each node's own disk, "
+                              "but the 2 nodes write one checkpoint together; set checkpoint.dir=gs://BUCKET/PATH "
+                              "(or s3://)\n")  # two replicas would each wait for ever for the other's part
+    code, out, err = launch(capsys, *BASE, "--nodes", "1", "--dry-run", "--name", "shk run", "--service-account",
+                            "trainer@my-proj.iam.gserviceaccount.com")
     assert code == 0
     assert err == ("note: checkpoint.dir is local to each replica (runs/shakespeare_char/checkpoints): a restarted "
                    "job starts again from step 0; set checkpoint.dir=gs://BUCKET/PATH to resume instead\n")
     job = json.loads(out)
     assert job["displayName"] == "shk run"
     assert job["jobSpec"]["serviceAccount"] == "trainer@my-proj.iam.gserviceaccount.com"
-    assert [p["machineSpec"] for p in job["jobSpec"]["workerPoolSpecs"]] == [{"machineType": "a3-highgpu-8g"}] * 2
+    assert [p["machineSpec"] for p in job["jobSpec"]["workerPoolSpecs"]] == [{"machineType": "a3-highgpu-8g"}]
 
 
 @pytest.mark.parametrize("args, message", [
@@ -80,6 +85,8 @@ def test_cpu_only_job_and_local_checkpoint_note(capsys):
     (["--nodes", "two"], ("argument --nodes: expected an integer, got 'two' (see python -m jaxtrain.launch vertex "
                           "--help)")),
     (["model.n_head=4"], "unknown config key 'model.n_head'; did you mean 'model.n_heads'?"),
+    (["--env", "CLUSTER_SPEC={}"],
+     "--env: CLUSTER_SPEC is set for each process by the launcher or the platform; leave it out"),
 ])
 def test_bad_input_is_a_named_error(capsys, args, message):
     code, out, err = launch(capsys, *BASE, "--dry-run", *args)

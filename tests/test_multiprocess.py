@@ -150,3 +150,33 @@ def test_a_signal_during_one_process_start_up_stops_every_process(tmp_path, corp
             "was trained, so nothing was saved; rerun to continue") in job.output(0)
     assert "Traceback" not in job.output(0) and "Check failure" not in job.output(0)
     assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
+
+
+def test_a_signal_while_waiting_for_peers_stops_at_once(tmp_path, corpus_path):
+    job = mp.Job(2, 4, args(corpus_path, tmp_path / "run", "distributed.init_timeout_s=120"), only=[0])
+    time.sleep(6)  # waiting in jax.distributed for process 1, which never comes
+    job.procs[0].send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    assert job.wait(timeout=60) == [0]
+    assert time.monotonic() - t0 < 15
+    assert "SIGTERM before the first training step: nothing was trained" in job.output(0)
+
+
+def test_checkpoint_directories_not_shared_by_the_processes_are_refused(tmp_path, corpus_path):
+    """Process 1 on its own disk (another run.dir): every save would wait for ever; refused at start, exit 2."""
+    job = mp.Job(2, 4, args(corpus_path, tmp_path / "host0", "distributed.peer_timeout_s=10"),
+                 per_process={1: ([f"run.dir={tmp_path / 'host1'}"], {}),
+                              })
+    assert job.wait(timeout=180) == [2, 2]
+    assert (f"error: checkpoint.dir: process(es) 1 do not see {tmp_path / 'host0' / 'checkpoints'} as process 0 "
+            f"writes it: a multi-process run needs a checkpoint directory every host shares") in job.output(0)
+    assert not list((tmp_path / "host0" / "checkpoints").glob("*[0-9]*"))
+
+
+def test_processes_told_different_counts_are_refused(tmp_path, corpus_path):
+    job = mp.Job(2, 4, args(corpus_path, tmp_path / "run", "distributed.peer_timeout_s=10"),
+                 per_process={1: ([], {"JAXTRAIN_NUM_PROCESSES": "3"})})
+    assert job.wait(timeout=180) == [2, 2]
+    assert ("error: distributed.num_processes: this process was told 3 (JAXTRAIN_* environment) but the job formed "
+            "with 2 (process 0's value); give every process the same number") in job.output(1)
+    assert "process 1 of 2 ended with exit code 2" in job.output(0)

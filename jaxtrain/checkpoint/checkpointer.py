@@ -47,6 +47,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jaxtrain.checkpoint import integrity, retention, storage
+from jaxtrain.checkpoint import processes
 from jaxtrain.checkpoint.processes import agree, primary, sync
 from jaxtrain.checkpoint.integrity import CorruptCheckpointError, mismatches, tree_summary  # noqa: F401
 from jaxtrain.config import Config
@@ -116,6 +117,7 @@ class Checkpointer:
         self.removed, self.ignored = self._cleanup_unfinished() if primary() else ([], [])
         self.set_aside_names = sorted(n for n in self.store.names() if _SET_ASIDE.match(n)) if primary() else []
         sync("jaxtrain_ckpt_cleanup")
+        processes.check_shared(self.directory, "checkpoint.dir" if not self.remote else "run.dir (its S3 staging)")
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None, enable_async_checkpointing=c.async_save, create=True)  # we do the GC
         self.manager = ocp.CheckpointManager(self.directory, options=options)

@@ -1,7 +1,9 @@
 """The processes of a multi-process run acting as one checkpointer: who writes, barriers, agreement."""
 from __future__ import annotations
 
-from typing import Optional
+import os
+from pathlib import Path
+from typing import Any, Optional
 
 import jax
 import numpy as np
@@ -33,3 +35,35 @@ def agree(error: Optional[BaseException], what: str) -> Optional[BaseException]:
     if error is None and failed.any():
         error = PeerSaveError(f"process(es) {', '.join(map(str, np.flatnonzero(failed)))} failed {what}")
     return error
+
+
+def check_shared(directory: Any, key: str) -> None:
+    """Many processes: every one must see the same local ``directory`` (Orbax writes one step from all
+    of them; on disks of their own each would wait for ever for the others' parts). A probe file
+    written by the primary is read by all. Object stores (``gs://``) are shared by nature.
+
+    Raises:
+      CheckpointError: on every process, naming the ones that do not see it.
+    """
+    from jaxtrain.checkpoint.checkpointer import CheckpointError
+    if jax.process_count() == 1 or str(directory).startswith(("gs://", "s3://")):
+        return
+    from jax.experimental import multihost_utils
+    path = Path(str(directory), ".jaxtrain-shared-probe")
+    nonce = int.from_bytes(os.urandom(3), "little")  # fits the int32 a broadcast carries without x64
+    if primary():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(str(nonce))
+    nonce = int(multihost_utils.broadcast_one_to_all(np.int32(nonce)))
+    try:
+        seen = path.read_text() == str(nonce)
+    except OSError:
+        seen = False
+    blind = np.flatnonzero(~np.asarray(multihost_utils.process_allgather(np.array(seen))))
+    sync("jaxtrain_ckpt_probe")
+    if primary():
+        path.unlink(missing_ok=True)
+    if blind.size:
+        raise CheckpointError(f"{key}: process(es) {', '.join(map(str, blind))} do not see {directory} as process 0 "
+                              f"writes it: a multi-process run needs a checkpoint directory every host shares (a "
+                              f"shared filesystem, gs:// or s3://). Nothing was trained")

@@ -44,20 +44,22 @@ def cli(body: Callable[[], Optional[int]]) -> int:
             sys.stderr.flush()
             os._exit(err.exit_code)
         return err.exit_code
-    except Exception:
-        if _multiprocess():
+    except BaseException as err:
+        if _multiprocess() and not isinstance(err, SystemExit):
+            # Many processes: never a normal exit (it would wait in jax.distributed's shutdown barrier
+            # while the others wait in a collective); a collective that failed because a peer is gone
+            # is reported by name, not as a traceback.
             from jaxtrain.parallel import distributed
-            distributed.peer_left_first()  # a collective failing because a peer left: say so, no traceback
+            distributed.after_failure(err)
             traceback.print_exc()
-            distributed.leave(1)  # a bug here: the others stop too instead of waiting in a collective
+            distributed.leave(130 if isinstance(err, KeyboardInterrupt) else 1)
         raise
 
 
 def _multiprocess() -> bool:
-    if "jax" not in sys.modules:
-        return False
-    from jax._src import distributed
-    return distributed.global_state.client is not None
+    """This process has joined a multi-process run (``jaxtrain.parallel.distributed``)."""
+    module = sys.modules.get("jaxtrain.parallel.distributed")
+    return module is not None and module.joined()
 
 
 def prog(module: str) -> str:

@@ -223,8 +223,8 @@ class DistributedConfig(_Section):
     coordinator_address: Optional[str] = None  # host:port of process 0
     num_processes: Optional[int] = None
     process_id: Optional[int] = None
-    init_timeout_s: float = 300.0  # waiting for every process to join: then DistributedError (exit 5)
-    peer_timeout_s: float = 300.0  # no progress in a collective (a peer died): DistributedError (exit 5)
+    init_timeout_s: float = 300.0  # waiting for every process to join: then a named error, exit 5
+    peer_timeout_s: float = 300.0  # a peer's heartbeat silent this long (it died): a named error, exit 5
     stop_check_every: int = 1  # steps between the all-reduces that agree on a SIGTERM/SIGINT stop
 
 

@@ -128,6 +128,33 @@ def parse_env(items: Sequence[str]) -> dict[str, str]:
     return env
 
 
+RESERVED_ENV = ("JAXTRAIN_COORDINATOR_ADDRESS", "JAXTRAIN_NUM_PROCESSES", "JAXTRAIN_PROCESS_ID", "CLUSTER_SPEC",
+                "JOB_COMPLETION_INDEX")
+
+
+def check_job(job: Job, processes: int) -> None:
+    """Refuses what would break the job once it runs: the launcher's own variables given by hand,
+    ``distributed.*`` values that contradict the job, and (GKE, Vertex) a multi-host job whose
+    checkpoints would be on each pod's own disk (every save would wait for ever for the others' parts).
+
+    Raises:
+      LaunchError: naming the flag or key.
+    """
+    for key in sorted(set(job.env) & set(RESERVED_ENV)):
+        raise LaunchError(f"--env: {key} is set for each process by the launcher or the platform; leave it out")
+    d = job.cfg.distributed
+    for key in ("coordinator_address", "num_processes", "process_id"):
+        if getattr(d, key) is not None:
+            raise LaunchError(f"distributed.{key}: set for each process by the launcher; leave it unset")
+    if processes > 1 and d.mode == "off":
+        raise LaunchError(f"distributed.mode: 'off' would make each of the {processes} processes train alone; "
+                          f"use auto")
+    local = job.local_checkpoints()
+    if job.target in ("gke", "vertex") and job.nodes > 1 and local is not None:
+        raise LaunchError(f"checkpoint.dir: '{local}' is on each node's own disk, but the {job.nodes} nodes write "
+                          f"one checkpoint together; set checkpoint.dir=gs://BUCKET/PATH (or s3://)")
+
+
 def default_name(config: str) -> str:
     """``jaxtrain-<config stem>``, lower case with dashes (a valid Kubernetes name for ordinary stems)."""
     stem = re.sub(r"[^a-z0-9]+", "-", Path(config).stem.lower()).strip("-")
@@ -181,7 +208,8 @@ def run(argv: Sequence[str], prog: str) -> int:
     job = Job(target=target, cfg=cfg, config_path=args.container_config or args.config,
               overrides=list(args.overrides), nodes=args.nodes, name=args.name or default_name(args.config),
               env=parse_env(args.env))
-    spec = module.build(job, args)
+    spec = module.build(job, args)  # the target's own flag checks first
+    check_job(job, job.nodes * getattr(args, "ntasks_per_node", 1))
     for message in module.notes(job, args):
         note(message)
     if args.dry_run:

@@ -28,15 +28,8 @@ from typing import Callable, Mapping, Optional
 from jaxtrain.errors import InputError, JaxtrainError
 
 EXIT_CODE = 5  # a peer did not join in time, or stopped answering
-_ADDRESS = re.compile(r"^\[?[A-Za-z0-9_.:-]+\]?:\d{1,5}$")
+_ADDRESS = re.compile(r"^\[?[A-Za-z0-9_.:-]+\]?:(\d{1,5})$")
 log = logging.getLogger("jaxtrain")
-
-
-class DistributedError(JaxtrainError):
-    """The processes of a multi-process job could not start, or one of them stopped answering."""
-
-    exit_code = EXIT_CODE
-    hard_exit = True  # a process stuck in a collective never returns: exit at once
 
 
 @dataclass(frozen=True)
@@ -98,8 +91,9 @@ def detect(d, env: Mapping[str, str] = os.environ) -> Optional[Plan]:
         for key, value in (("coordinator_address", coord), ("num_processes", num), ("process_id", pid)):
             if value is None:
                 raise InputError(f"distributed.{key}: not set (the job's other values came from {source})")
-        if not _ADDRESS.match(coord):
-            raise InputError(f"distributed.coordinator_address: expected host:port, got {coord!r}")
+        port = _ADDRESS.match(coord)
+        if not port or not 1 <= int(port.group(1)) <= 65535:
+            raise InputError(f"distributed.coordinator_address: expected host:port (port 1..65535), got {coord!r}")
         if num < 1 or not 0 <= pid < num:
             raise InputError(f"distributed.process_id: {pid} is not in [0, {num}) "
                              f"(distributed.num_processes={num}; from {source})")
@@ -136,45 +130,60 @@ def initialize(d, plan: Plan) -> None:
     """``jax.distributed.initialize`` for ``plan`` (gloo collectives on CPU), waiting at most
     ``distributed.init_timeout_s`` for every process to join, with a progress line every 10 s.
 
-    On expiry the process prints ``error: distributed.init_timeout_s: ...`` and exits with
+    The join runs on a helper thread while the main thread waits, so a SIGTERM/SIGINT meanwhile
+    stops the start-up (``jaxtrain.train.preempt.check_startup``: exit 0, nothing trained). On
+    expiry the process prints ``error: distributed.init_timeout_s: ...`` and exits with
     :data:`EXIT_CODE` (JAX's own timeout, set later than ours, would abort with a stack trace).
     """
     import jax
     from jax._src import distributed as jd
+    from jaxtrain.train import preempt
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     # JAX's preemption notifier replaces Python's SIGTERM handler; jaxtrain agrees on stops itself.
     jax.config.update("jax_enable_preemption_service", False)
     who = (f"process {plan.process_id} of {plan.num_processes}" if plan.num_processes else "this process")
     where = plan.coordinator or "the coordinator JAX detects"
-    limit = d.init_timeout_s
-    done = threading.Event()
+    limit, margin = d.init_timeout_s, 60  # JAX's own limits stay behind ours, so ours report first
+    outcome: dict = {}
 
-    def tick(elapsed: float) -> bool:
+    def join() -> None:
+        try:
+            jax.distributed.initialize(plan.coordinator, plan.num_processes, plan.process_id,
+                                       initialization_timeout=int(limit) + margin,
+                                       heartbeat_timeout_seconds=int(d.peer_timeout_s) + margin)
+        except BaseException as err:  # noqa: BLE001 - re-raised on the main thread
+            outcome["error"] = err
+
+    joining = threading.Thread(target=join, name="jaxtrain-join", daemon=True)
+    t0, reported = time.monotonic(), 0
+    joining.start()
+    while joining.is_alive():
+        joining.join(0.2)  # the main thread runs Python between waits: signal handlers fire
+        elapsed = time.monotonic() - t0
+        preempt.check_startup()
         if elapsed >= limit:
             _die(f"distributed.init_timeout_s: {who} waited {elapsed:.0f} s for every process to join at {where} "
                  f"({plan.source}); start all {plan.num_processes or ''} processes with the same coordinator "
-                 f"address, check that it is reachable, or raise distributed.init_timeout_s")
-        if round(elapsed) % 10 == 0:
-            log.info(f"distributed: {who} waiting for the others at {where} ({elapsed:.0f} s of "
+                 f"address and distinct process ids, check that it is reachable, or raise "
+                 f"distributed.init_timeout_s")
+        if elapsed >= reported + 10:
+            reported += 10
+            log.info(f"distributed: {who} waiting for the others at {where} ({reported} s of "
                      f"distributed.init_timeout_s={limit:g})")
-        return True
-
-    _every(1.0, done, tick, "jaxtrain-init-watchdog")
-    margin = 60  # JAX's own limits stay behind ours, so ours report first
-    jax.distributed.initialize(plan.coordinator, plan.num_processes, plan.process_id,
-                               initialization_timeout=int(limit) + margin,
-                               heartbeat_timeout_seconds=int(d.peer_timeout_s) + margin)
-    done.set()
+    if "error" in outcome:
+        raise outcome["error"]
     log.info(f"distributed: process {jax.process_index()} of {jax.process_count()} joined ({plan.source}; "
              f"coordinator {jd.global_state.coordinator_address}; "
              f"{jax.local_device_count()} local of {jax.device_count()} devices)")
 
 
 class Heartbeat:
-    """Every process bumps a counter in the coordinator's key-value store; a peer whose counter stays
-    still for ``distributed.peer_timeout_s`` (killed, out of memory, a lost node) or a coordinator that
-    stops answering ends this process with :data:`EXIT_CODE` and a line naming it. A process that
-    finished marks itself done first, so its silence is not taken for a death.
+    """Every process bumps a counter in the coordinator's key-value store. Process 0 watches every
+    counter, the others watch process 0's: one that stays still for ``distributed.peer_timeout_s``
+    (killed, out of memory, a lost node), or a coordinator that stops answering, ends this process
+    with :data:`EXIT_CODE` and a line naming it, and the others hear of it (:func:`leave`). A process
+    that finished marks itself done first, so its silence is not taken for a death; one that left
+    (:func:`leave`) ends the others with its exit code.
     """
 
     def __init__(self, peer_timeout_s: float):
@@ -192,7 +201,11 @@ class Heartbeat:
         try:
             self.count += 1
             self.client.key_value_set(f"jaxtrain/alive/{self.pid}", str(self.count), allow_overwrite=True)
-            alive = dict(self.client.key_value_dir_get("jaxtrain/alive/"))
+            # Process 0 watches everyone, the others watch process 0 (which then tells them): O(N) reads.
+            if self.pid == 0:
+                alive = dict(self.client.key_value_dir_get("jaxtrain/alive/"))
+            else:
+                alive = {"jaxtrain/alive/0": self._try_get("jaxtrain/alive/0")}
             done = {k.rsplit("/", 1)[-1] for k, _ in self.client.key_value_dir_get("jaxtrain/done/")}
             left = {int(k.rsplit("/", 1)[-1]): v for k, v in self.client.key_value_dir_get("jaxtrain/exit/")}
             self.failing_since = None
@@ -208,7 +221,7 @@ class Heartbeat:
         for p, code in sorted(left.items()):
             if p != self.pid and not self.stop.is_set():
                 self._peer_left(p, int(code))
-        for p in range(self.n):
+        for p in (range(self.n) if self.pid == 0 else [0]):
             value = alive.get(f"jaxtrain/alive/{p}", "")
             if p == self.pid or str(p) in done:
                 continue
@@ -219,6 +232,14 @@ class Heartbeat:
                      f"{now - self.seen[p][1]:.0f} s; it died or hangs (killed, out of memory, a lost node). "
                      f"Stopping process {self.pid} too; committed checkpoints are intact, rerun to resume")
         return True
+
+    def _try_get(self, key: str) -> str:
+        try:
+            return self.client.key_value_try_get(key)
+        except Exception as err:  # noqa: BLE001 - not written yet (NOT_FOUND); anything else is re-raised
+            if "NOT_FOUND" in str(err) or "not found" in str(err).lower():
+                return ""
+            raise
 
     def _peer_left(self, p: int, code: int) -> None:
         """Process ``p`` ended early (:func:`leave`): the others cannot go on without it."""
@@ -247,12 +268,22 @@ _heartbeat: dict = {"current": None}
 
 def start(d) -> Optional[Plan]:
     """Detects the job (:func:`detect`); for several processes, initializes ``jax.distributed`` and
-    starts the :class:`Heartbeat`. Call before anything touches a device. Returns the plan or None."""
+    starts the :class:`Heartbeat`. Call before anything touches a device. Returns the plan or None.
+
+    Raises:
+      InputError: a malformed job description, or the job formed with another number of processes
+        than this one was told.
+    """
     plan = detect(d)
     if plan is None:
         return None
     initialize(d, plan)
     _heartbeat["current"] = Heartbeat(d.peer_timeout_s)
+    import jax
+    if plan.num_processes is not None and jax.process_count() != plan.num_processes:  # joined: the others hear
+        raise InputError(f"distributed.num_processes: this process was told {plan.num_processes} ({plan.source}) "
+                         f"but the job formed with {jax.process_count()} (process 0's value); give every process "
+                         f"the same number")
     if not is_primary():  # one voice: process 0 prints; the others only their warnings and errors
         log.setLevel(logging.WARNING)
         sys.stdout.flush()
@@ -260,6 +291,11 @@ def start(d) -> Optional[Plan]:
         os.dup2(devnull, 1)  # also what native code (gloo) prints to stdout
         os.close(devnull)
     return plan
+
+
+def joined() -> bool:
+    """This process is part of a multi-process run (joined, with its :class:`Heartbeat` running)."""
+    return _heartbeat["current"] is not None
 
 
 def finished() -> None:
@@ -296,19 +332,26 @@ def leave(code: int) -> None:
     os._exit(code)
 
 
-def peer_left_first() -> None:
-    """After an unexpected error in a multi-process run: if a peer had already left (a collective then
-    fails with a connection error), end the way its leaving asks for, with no traceback. Else returns."""
+def after_failure(err: BaseException) -> None:
+    """After an unexpected error in a multi-process run: if a peer left (:func:`leave`) or died, end
+    the way that asks for, by name (a collective then fails with a connection error; the heartbeat
+    decides within ``distributed.peer_timeout_s``). Returns for an error of this process's own."""
     beat = _heartbeat["current"]
     if beat is None:
         return
-    try:
-        left = {int(k.rsplit("/", 1)[-1]): int(v) for k, v in beat.client.key_value_dir_get("jaxtrain/exit/")}
-    except Exception:  # noqa: BLE001 - the coordinator is gone: the error itself is the news
-        return
-    left.pop(beat.pid, None)
-    if left:
-        beat._peer_left(*min(left.items()))
+    from jax.errors import JaxRuntimeError
+    deadline = time.monotonic() + (beat.timeout + 2 * beat.interval if isinstance(err, JaxRuntimeError) else 0)
+    while True:
+        try:
+            left = {int(k.rsplit("/", 1)[-1]): int(v) for k, v in beat.client.key_value_dir_get("jaxtrain/exit/")}
+        except Exception:  # noqa: BLE001 - the coordinator is gone: the heartbeat reports it
+            left = {}
+        left.pop(beat.pid, None)
+        if left:
+            beat._peer_left(*min(left.items()))
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(beat.interval)  # a runtime error: a dead peer's silence ends this process meanwhile
 
 
 def is_primary() -> bool:

@@ -176,9 +176,7 @@ def _on_startup_signal(signum, frame) -> None:
 def _exit_if_still_starting(signum: int) -> None:
     if not _startup["over"].wait(STARTUP_EXIT_AFTER_S):
         code = report_startup_stop(StartupInterrupted(signum))
-        if "jax" in sys.modules:  # a multi-process run: its peers are told (jaxtrain.parallel.distributed)
-            from jax._src import distributed as jd
-            if jd.global_state.client is not None:
-                from jaxtrain.parallel import distributed
-                distributed.leave(code)
+        distributed = sys.modules.get("jaxtrain.parallel.distributed")
+        if distributed is not None and distributed.joined():  # a multi-process run: its peers are told
+            distributed.leave(code)
         os._exit(code)

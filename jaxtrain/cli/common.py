@@ -51,8 +51,12 @@ def cli(body: Callable[[], Optional[int]]) -> int:
             # is reported by name, not as a traceback.
             from jaxtrain.parallel import distributed
             distributed.after_failure(err)
+            if isinstance(err, KeyboardInterrupt):
+                print("interrupted (a second SIGINT): stopping every process at once; committed checkpoints are "
+                      "intact", file=sys.stderr)
+                distributed.leave(130)
             traceback.print_exc()
-            distributed.leave(130 if isinstance(err, KeyboardInterrupt) else 1)
+            distributed.leave(1)
         raise
 
 

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from jaxtrain.kernels.flash_common import (FlashParams, block_mask, finalize, kv_block_range, make_flash,
                                            online_softmax_update, q_block_range, run_flash, safe_lse)
@@ -129,6 +130,12 @@ def _query_block_specs(bq: int, tk: int, d: int, g: int) -> list:
     ]
 
 
+def _triton():
+    """Triton compiler parameters: they make the kernels lower through Triton, not Mosaic GPU (the
+    default of ``jax_pallas_use_mosaic_gpu`` in jax 0.10-0.11, which cannot lower these kernels)."""
+    return pltriton.CompilerParams(num_warps=4, num_stages=2)
+
+
 def _fwd(q, k, v, qseg, kvseg, p: FlashParams):
     b, tq, h, d = q.shape
     tk, kvh = k.shape[1], k.shape[2]
@@ -144,6 +151,7 @@ def _fwd(q, k, v, qseg, kvseg, p: FlashParams):
         ],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, tq), F32)],
         interpret=p.interpret,
+        compiler_params=_triton(),
         name="jaxtrain_flash_fwd",
     )(qseg, kvseg, q, k, v)
     return o, lse
@@ -165,6 +173,7 @@ def _bwd(q, k, v, qseg, kvseg, o, lse, do, p: FlashParams):
         out_specs=pl.BlockSpec((None, bq, None, d), lambda b_, h_, i: (b_, i, h_, 0)),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         interpret=p.interpret,
+        compiler_params=_triton(),
         name="jaxtrain_flash_bwd_dq",
     )(qseg, kvseg, q, k, v, do, lse, delta)
     dk, dv = pl.pallas_call(
@@ -183,6 +192,7 @@ def _bwd(q, k, v, qseg, kvseg, o, lse, do, p: FlashParams):
         out_specs=[pl.BlockSpec((None, bk, None, d), lambda b_, h_, j: (b_, j, h_, 0))] * 2,
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         interpret=p.interpret,
+        compiler_params=_triton(),
         name="jaxtrain_flash_bwd_dkdv",
     )(qseg, kvseg, q, k, v, do, lse, delta)
     return dq, dk, dv

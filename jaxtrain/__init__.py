@@ -13,6 +13,20 @@ _API = {"fit": ("jaxtrain.train.fit", "fit"), "setup": ("jaxtrain.train.setup", 
         "load_config": ("jaxtrain.config.loading", "load")}
 
 
+def _models_from_checkout() -> None:
+    """Run from a source checkout without installation (e.g. a GPU machine with no network):
+    ``jaxtrain.models`` is then the checkout's ``models/`` (installed, pyproject maps it there)."""
+    import importlib.util
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if os.path.isfile(os.path.join(root, "models", "__init__.py")) and importlib.util.find_spec(
+            "jaxtrain.models") is None:
+        __path__.append(root)  # noqa: F821 - the package's own search path
+
+
+_models_from_checkout()
+
+
 def __getattr__(name: str):
     if name in _API:
         import importlib

@@ -106,3 +106,17 @@ def commit() -> str:
         return sha + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def append_result_row(header: str, row: str, intro: str = "", path: Path = HERE_RESULTS) -> None:
+    """Appends ``row`` to the table of RESULTS.md whose header line is ``header`` (after its last
+    row), or starts that table at the end of the file, after ``intro``, if there is none yet."""
+    lines = path.read_text().splitlines() if path.exists() else ["# Benchmark results", ""]
+    if header in lines:
+        at = lines.index(header) + 2  # past the |---| line
+        while at < len(lines) and lines[at].startswith("|"):
+            at += 1
+        lines.insert(at, row)
+    else:
+        lines += ["", *( [intro, ""] if intro else []), header, "|" + "---|" * (header.count("|") - 1), row]
+    path.write_text("\n".join(lines) + "\n")

@@ -170,7 +170,7 @@ class Evaluate(Hook):
             return
         last = loop.last_eval or loop.evaluate(loop.start, record=False)  # nothing trained: evaluate as is
         loop.result.val_loss = last["val_loss"]
-        n = next(iter(loop.val.values())).shape[0]
+        n = len(loop.val)
         loop.out.info(f"validation loss {loop.result.val_loss:.4f} (mean over {n} batches)")
 
 

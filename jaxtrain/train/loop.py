@@ -64,7 +64,7 @@ class Loop:
     setup: Setup
     state: dict
     batches: Iterator
-    val: dict  # validation batches {field: [n, micro, ...]} on the mesh
+    val: list  # validation batches, each {field: [micro, ...]} on the mesh
     sinks: Sinks
     out: Reporter
     result: RunResult
@@ -105,8 +105,7 @@ class Loop:
         jax.block_until_ready(self.state)  # the steps in flight are training time, not evaluation
         t0 = time.perf_counter()
         params, eval_step = self.state["params"], self.setup.fns.eval_step
-        n = next(iter(self.val.values())).shape[0]
-        outs = jax.device_get([eval_step(params, {k: v[i] for k, v in self.val.items()}) for i in range(n)])
+        outs = jax.device_get([eval_step(params, batch) for batch in self.val])
         w = np.asarray([o.pop("weight") for o in outs], np.float64)
         keys = ["loss", *sorted(k for k in outs[0] if k != "loss")]
         row = {f"val_{k}": float(np.average([o[k] for o in outs], weights=w)) for k in keys}

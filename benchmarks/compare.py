@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from _bench import REPO, commit, hardware, stats, write_json
+from _bench import REPO, append_result_row, commit, hardware, stats, write_json
 
 HERE = Path(__file__).resolve().parent
 CONFIGS = {  # name -> (config, overrides, timed steps per round)
@@ -110,6 +110,10 @@ def compare(label: str, config: str, overrides: list[str], impls: list[str], rou
     return out
 
 
+RESULTS_HEADER = ("| date (UTC) | hardware | commit | config | jaxtrain tok/s | torch eager tok/s | torch.compile tok/s "
+                  "| vs eager | vs compile | of peak | jax compile s | notes |")
+
+
 def results_row(res: dict, quick: bool) -> str:
     im = res["impls"]
 
@@ -166,11 +170,9 @@ def main(argv=None) -> int:
                if frac is not None else "") + f" (load {res['load_avg_1m'][0]:.1f})")
     write_json(args.json, {"hardware": hardware(), "commit": commit(), "results": results})
     if args.write_results:
-        path = HERE / "RESULTS.md"
-        with path.open("a") as f:
-            for res in results:
-                f.write(results_row(res, args.quick) + "\n")
-        print(f"appended {len(results)} rows to {path}")
+        for res in results:
+            append_result_row(RESULTS_HEADER, results_row(res, args.quick))
+        print(f"appended {len(results)} rows to {HERE / 'RESULTS.md'}")
     return 0
 
 

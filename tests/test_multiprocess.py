@@ -17,7 +17,8 @@ import multiproc as mp
 from jaxtrain import config as cfglib
 from jaxtrain.train import fit
 
-SHAKES = ["train.log_every=1", "train.eval_batches=2", "train.sample_tokens=16", "run.progress=false",
+SHAKES = ["model.n_layers=2",  # half the depth: each process compiles its own step on 2 shared cores
+          "train.log_every=1", "train.eval_batches=2", "train.sample_tokens=16", "run.progress=false",
           "checkpoint.every=2", "checkpoint.keep=10", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
           "optimizer.warmup_steps=4", "optimizer.decay_steps=8"]  # one LR schedule whatever train.steps is
 STEPS = 6

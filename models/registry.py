@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 # model.family -> the package holding FAMILY (one line per family).
 FAMILIES: dict[str, str] = {
     "llama": "jaxtrain.models.llama",
+    "mixtral": "jaxtrain.models.mixtral",
 }
 
 

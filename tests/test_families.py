@@ -91,14 +91,14 @@ def test_the_new_family_goes_through_explain_and_export_says_it_has_no_converter
 def test_unknown_and_custom_families_are_named(tmp_path):
     with pytest.raises(ConfigError) as e:
         cfglib.load(None, ["model.family=gpt9"])
-    assert str(e.value) == ("model.family: unknown family 'gpt9' (known: llama, and custom for a model given "
+    assert str(e.value) == ("model.family: unknown family 'gpt9' (known: llama, mixtral, and custom for a model given "
                             "to jaxtrain.fit in Python)")
     custom = cfglib.load(None, ["model.family=custom", "model.options.hidden=128"])
     assert custom.model.options == {"hidden": 128}
     with pytest.raises(ConfigError) as e:
         fit(cfglib.load(None, ["model.family=custom", f"run.dir={tmp_path / 'custom'}"]))
     assert str(e.value) == ("model.family: 'custom' is a model built in Python and given to jaxtrain.fit with a "
-                            "ModelSpec; from a config alone these families can be trained: llama")
+                            "ModelSpec; from a config alone these families can be trained: llama, mixtral")
     assert not (tmp_path / "custom").exists()
 
 
@@ -128,6 +128,6 @@ def test_a_family_in_another_package_is_found_by_its_entry_point(monkeypatch):
     ep = metadata.EntryPoint(name="tinylm", value="tiny_family", group=registry.ENTRY_POINTS)
     monkeypatch.setattr(registry.metadata, "entry_points",
                         lambda group: [ep] if group == registry.ENTRY_POINTS else [])
-    assert registry.names() == ["llama", "tinylm"]
+    assert registry.names() == ["llama", "mixtral", "tinylm"]
     cfg = cfglib.load(None, ["model.family=tinylm", "model.width=16"])
     assert (type(cfg.model).__name__, cfg.model.width) == ("TinyConfig", 16)

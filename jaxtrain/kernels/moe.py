@@ -1,0 +1,160 @@
+"""Routed SwiGLU experts: dropless grouped matmuls or capacity buffers, and expert parallelism.
+
+The router (top-k choice and combine weights) is the model's; this module runs every
+token copy through its chosen expert and adds the copies back up:
+
+  y[token] = sum_j combine[token, j] * expert_{idx[token, j]}(x[token])
+  expert_e(x) = (silu(x w_gate[e]) * (x w_up[e])) w_down[e]
+
+Two ways to run the experts:
+
+* **dropless** (MegaBlocks, Gale et al. 2023): the copies are sorted by expert and run as
+  one grouped matmul, ``jax.lax.ragged_dot`` with the per-expert group sizes. No token is
+  dropped. (XLA:CPU expands ``ragged_dot`` into a masked dense matmul per group, so on CPU
+  it costs n_experts x the active FLOPs; GPU and TPU have grouped kernels.)
+* **capacity** (GShard, Lepikhin et al. 2020; Switch, Fedus et al. 2022): each expert has
+  ``capacity`` slots per sequence; the model gives each copy its slot, and copies whose slot
+  is >= capacity are dropped (they contribute zero; the residual carries the token on).
+  The experts run as one batched matmul over ``[experts, slots, embed]`` buffers.
+
+**Expert parallelism.** Inside the trainer's activation-sharding context, when the rules shard
+the ``exp`` dimension of the expert weights over mesh axes (``sharding_rules/ep.yaml``:
+``exp: [expert]``), the experts run under ``shard_map``: each device keeps its
+``n_experts / ep`` experts' weights (never gathering the others) and its own tokens, sends
+each copy to the device that holds its expert with ``jax.lax.all_to_all``, runs its experts
+on what it receives, and sends the results back with a second all-to-all. Dropless routing
+sends fixed-size chunks of ``tokens * k`` rows to every device (the worst case, as XLA:CPU has
+no ragged all-to-all); capacity routing sends each expert's slot buffer. The ``mlp`` dimension
+may be split over other axes (``tensor``): each device then holds a slice of every local
+expert's hidden units and the outputs are summed over those axes. Model code never sees a
+mesh: it calls :func:`routed_experts`, which reads the active rules.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxtrain.parallel.activations import active_sharding
+from jaxtrain.parallel.rules import ShardingError
+
+
+def _grouped_swiglu(rows: jax.Array, expert: jax.Array, w_gate, w_up, w_down) -> jax.Array:
+    """rows [M, embed], expert [M] int32 in [0, E] (E = no expert: output 0) -> [M, embed].
+
+    Sorts the rows by expert and runs three ``ragged_dot`` grouped matmuls over the groups.
+    """
+    n_exp = w_gate.shape[0]
+    order = jnp.argsort(expert, stable=True)
+    sizes = jnp.bincount(expert, length=n_exp + 1)[:n_exp].astype(jnp.int32)
+    xs = rows[order]
+    h = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, sizes)) * jax.lax.ragged_dot(xs, w_up, sizes)
+    ys = jax.lax.ragged_dot(h, w_down, sizes)
+    ys = jnp.where((jnp.arange(rows.shape[0]) < sizes.sum())[:, None], ys, 0)  # rows past the groups
+    return jnp.zeros_like(ys).at[order].set(ys)
+
+
+def _dropless(x2, idx, w_gate, w_up, w_down, axis, ep: int) -> jax.Array:
+    """x2 [n, embed], idx [n, k] (global expert ids) -> expert outputs per copy [n, k, embed]."""
+    n, k = idx.shape
+    m, e = n * k, idx.reshape(-1)
+    tok = jnp.arange(m) // k
+    if ep == 1:
+        return _grouped_swiglu(x2[tok], e, w_gate, w_up, w_down).reshape(n, k, -1)
+    e_loc = w_gate.shape[0]  # experts on this device
+    dest, local = e // e_loc, e % e_loc
+    order = jnp.argsort(dest, stable=True)
+    count = jnp.bincount(dest, length=ep)
+    dest_s = dest[order]
+    pos = jnp.arange(m) - (jnp.cumsum(count) - count)[dest_s]  # row within its destination's chunk
+    send = jnp.zeros((ep, m, x2.shape[1]), x2.dtype).at[dest_s, pos].set(x2[tok[order]])
+    send_e = jnp.full((ep, m), e_loc, jnp.int32).at[dest_s, pos].set(local[order])
+    recv = jax.lax.all_to_all(send, axis, 0, 0, tiled=True)  # [ep (source), m, embed]
+    recv_e = jax.lax.all_to_all(send_e, axis, 0, 0, tiled=True)
+    out = _grouped_swiglu(recv.reshape(ep * m, -1), recv_e.reshape(-1), w_gate, w_up, w_down)
+    back = jax.lax.all_to_all(out.reshape(ep, m, -1), axis, 0, 0, tiled=True)  # [ep (dest), m, embed]
+    return jnp.zeros((m, x2.shape[1]), out.dtype).at[order].set(back[dest_s, pos]).reshape(n, k, -1)
+
+
+def _capacity(x, idx, slots, capacity: int, w_gate, w_up, w_down, axis, ep: int) -> jax.Array:
+    """x [b, t, embed], idx/slots [b, t, k] -> expert outputs per copy [b, t, k, embed] (dropped: 0)."""
+    b, t, k = idx.shape
+    n_exp = w_gate.shape[0] * ep
+    keep = slots < capacity
+    slot = jnp.where(keep, slots, capacity)  # dropped copies go to a spare slot that is cut off
+    row = jnp.broadcast_to(jnp.arange(b)[:, None, None], idx.shape)
+    copies = jnp.broadcast_to(x[:, :, None, :], (b, t, k, x.shape[-1]))
+    buf = jnp.zeros((n_exp, b, capacity + 1, x.shape[-1]), x.dtype).at[idx, row, slot].set(copies)
+    buf = buf[:, :, :capacity]  # [experts, b, capacity, embed]
+    if ep > 1:
+        buf = jax.lax.all_to_all(buf, axis, 0, 0, tiled=True)  # my experts' buffers from every source
+        buf = buf.reshape(ep, n_exp // ep, b, capacity, -1).swapaxes(0, 1)
+    rows = buf.reshape(w_gate.shape[0], -1, x.shape[-1])  # [local experts, slots, embed]
+    h = jax.nn.silu(jnp.einsum("emd,edf->emf", rows, w_gate)) * jnp.einsum("emd,edf->emf", rows, w_up)
+    out = jnp.einsum("emf,efd->emd", h, w_down).reshape(buf.shape)
+    if ep > 1:
+        out = jax.lax.all_to_all(out.swapaxes(0, 1).reshape(n_exp, b, capacity, -1), axis, 0, 0, tiled=True)
+    out = jnp.pad(out, ((0, 0), (0, 0), (0, 1), (0, 0)))  # the spare slot reads zeros
+    return jnp.where(keep[..., None], out[idx, row, slot], 0)
+
+
+def _local(x, idx, combine, slots, w_gate, w_up, w_down, *, capacity, axis, ep, mlp_axes):
+    """The per-device computation (the whole thing on one device): [b, t, embed] -> same."""
+    b, t, d = x.shape
+    if capacity is None:
+        y = _dropless(x.reshape(b * t, d), idx.reshape(b * t, -1), w_gate, w_up, w_down, axis, ep)
+        y = y.reshape(b, t, -1, d)
+    else:
+        y = _capacity(x, idx, slots, capacity, w_gate, w_up, w_down, axis, ep)
+    out = jnp.einsum("btkd,btk->btd", y.astype(jnp.float32), combine.astype(jnp.float32))
+    if mlp_axes:  # each device summed over its slice of the hidden units
+        out = jax.lax.psum(out, mlp_axes)
+    return out.astype(x.dtype)
+
+
+def _axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def routed_experts(x: jax.Array, idx: jax.Array, combine: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                   w_down: jax.Array, slots: Optional[jax.Array] = None,
+                   capacity: Optional[int] = None) -> jax.Array:
+    """Every token through its top-k experts, weighted: see the module docstring.
+
+    Args:
+      x: [batch, length, embed] tokens, in the compute dtype.
+      idx: [batch, length, k] int32 expert of each copy; combine: [batch, length, k] float32 weights.
+      w_gate, w_up: [exp, embed, mlp]; w_down: [exp, mlp, embed] (compute dtype).
+      slots: [batch, length, k] int32 slot of each copy in its expert's per-sequence buffer
+        (capacity routing; copies with slot >= capacity are dropped), or None (dropless).
+      capacity: slots per expert and sequence, or None (dropless).
+    Returns:
+      [batch, length, embed] in x's dtype.
+    Raises:
+      ShardingError: the rules split the experts' ``mlp`` over an axis that also splits the tokens,
+        or the expert count is not divisible by the devices on ``exp``.
+    """
+    active = active_sharding()
+    fn = dict(capacity=capacity)
+    if active is None:
+        return _local(x, idx, combine, slots, w_gate, w_up, w_down, axis=None, ep=1, mlp_axes=(), **fn)
+    rules, mesh = active
+    w_spec = rules.spec("moe expert weights", ("exp", "embed", "mlp"), w_gate.shape, mesh)
+    exp_axes, mlp_axes = _axes(w_spec[0]), _axes(w_spec[2])
+    tok_spec = rules.spec("moe tokens", ("batch", "length", "embed"), x.shape, mesh)
+    tok_axes = _axes(tok_spec[0]) + _axes(tok_spec[1])
+    clash = [a for a in mlp_axes if a in tok_axes]
+    if clash:
+        raise ShardingError(f"moe expert weights: dimension 2 ('mlp') uses mesh axis '{clash[0]}', which also "
+                            f"splits the tokens ('batch'/'length') in rule set '{rules.name}'")
+    ep = math.prod(mesh.shape[a] for a in exp_axes)
+    t_spec = P(tok_spec[0], tok_spec[1], None)
+    win, wout = P(w_spec[0], None, w_spec[2]), P(w_spec[0], w_spec[2], None)
+    slot_arg = jnp.zeros(idx.shape, jnp.int32) if slots is None else slots
+    body = lambda *a: _local(*a, axis=exp_axes or None, ep=ep, mlp_axes=mlp_axes, **fn)  # noqa: E731
+    run = jax.shard_map(body, mesh=mesh, in_specs=(t_spec, t_spec, t_spec, t_spec, win, win, wout),
+                        out_specs=t_spec, check_vma=False)
+    return run(x, idx, combine, slot_arg, w_gate, w_up, w_down)

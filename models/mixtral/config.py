@@ -1,0 +1,46 @@
+"""``model:`` keys of the mixtral family (``model.family: mixtral``): a Llama with sparse MoE MLPs."""
+from __future__ import annotations
+
+import math
+from typing import ClassVar, Literal
+
+from jaxtrain.config.checks import positive
+from jaxtrain.config.schema import ConfigError
+from jaxtrain.models.llama.config import LlamaConfig
+
+
+class MixtralConfig(LlamaConfig):
+    """Mixtral-style decoder: every llama key, with ``d_ff`` the hidden size of each expert, plus routing.
+
+    ``n_experts`` SwiGLU experts per layer, of which the router picks ``top_k`` per token.
+    ``routing``: ``dropless`` (every copy is computed: sort by expert + grouped matmul) or
+    ``capacity`` (``ceil(capacity_factor * length * top_k / n_experts)`` slots per expert and
+    sequence; copies past them are dropped). ``aux_loss_weight`` scales the load-balancing loss
+    (Switch Transformer), ``z_loss_weight`` the router z-loss (ST-MoE); both are added to the loss.
+    """
+
+    family: Literal["mixtral"] = "mixtral"  # type: ignore[assignment]
+    n_experts: int = 8
+    top_k: int = 2
+    routing: Literal["dropless", "capacity"] = "dropless"
+    capacity_factor: float = 1.25
+    aux_loss_weight: float = 0.01
+    z_loss_weight: float = 0.001
+
+    layout_keys: ClassVar[tuple[str, ...]] = LlamaConfig.layout_keys + ("n_experts",)
+
+    def check(self, cfg) -> None:
+        super().check(cfg)
+        positive("model.n_experts", self.n_experts)
+        positive("model.top_k", self.top_k)
+        if self.top_k > self.n_experts:
+            raise ConfigError(f"model.top_k: {self.top_k} is more than model.n_experts={self.n_experts}")
+        if not self.capacity_factor > 0:
+            raise ConfigError(f"model.capacity_factor: must be > 0, got {self.capacity_factor}")
+        for key in ("aux_loss_weight", "z_loss_weight"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"model.{key}: must be >= 0, got {getattr(self, key)}")
+
+    def capacity(self, seq_len: int) -> int:
+        """Slots per expert and sequence under ``routing: capacity`` (GShard's expert capacity)."""
+        return max(1, math.ceil(self.capacity_factor * seq_len * self.top_k / self.n_experts))

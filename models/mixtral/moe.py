@@ -1,0 +1,84 @@
+"""The sparse MoE MLP of the mixtral family: router, top-k, experts, and the router losses.
+
+Router (Mixtral, Jiang et al. 2024; HF ``MixtralSparseMoeBlock``): logits = x W_r in float32,
+p = softmax(logits) over the experts, the top-k experts per token, and their k probabilities
+renormalised to sum to 1 as the combine weights. The experts run in
+:func:`jaxtrain.kernels.moe.routed_experts` (dropless or capacity, expert-parallel when the
+rules shard ``exp``).
+
+Losses, over the T tokens of the batch (all positions):
+  * load balancing (Switch Transformer, Fedus et al. 2022, eq. 4, with top-k as in GShard):
+    ``aux = E * sum_e f_e * P_e``, f_e = the fraction of the T*k routed copies sent to expert e,
+    P_e = the mean router probability of e. 1.0 when perfectly balanced. (HF's
+    ``load_balancing_loss_func`` sums over the k choices, so it equals ``top_k * aux``.)
+  * router z-loss (ST-MoE, Zoph et al. 2022, eq. 5): ``z = mean_tokens(logsumexp(logits)^2)``.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxtrain.kernels.moe import routed_experts
+from jaxtrain.models.llama.model import _param, project
+from jaxtrain.models.mixtral.config import MixtralConfig
+from jaxtrain.parallel.activations import constrain
+
+
+def capacity_slots(idx: jax.Array, n_experts: int) -> jax.Array:
+    """Slot of each copy in its expert's buffer, per sequence: idx [batch, length, k] -> same, int32.
+
+    Priority as in GShard: every token's first choice, in position order, before any second choice.
+    """
+    b, t, k = idx.shape
+    order = idx.swapaxes(1, 2).reshape(b, k * t)  # choice-major
+    taken = jnp.cumsum(jax.nn.one_hot(order, n_experts, dtype=jnp.int32), axis=1) - 1  # [b, k*t, E]
+    slot = jnp.take_along_axis(taken, order[..., None], axis=-1)[..., 0]
+    return slot.reshape(b, k, t).swapaxes(1, 2)
+
+
+def router_losses(logits: jax.Array, probs: jax.Array, idx: jax.Array) -> dict[str, jax.Array]:
+    """logits, probs [..., E] float32; idx [..., k] -> {'aux', 'z' (scalars), 'frac' [E]} (see module doc)."""
+    n_exp = logits.shape[-1]
+    frac = jax.nn.one_hot(idx.reshape(-1), n_exp, dtype=jnp.float32).mean(0)  # over the T*k copies
+    mean_prob = probs.reshape(-1, n_exp).mean(0)
+    z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
+    return {"aux": n_exp * jnp.sum(frac * mean_prob), "z": z, "frac": frac}
+
+
+class MoE(nnx.Module):
+    """Sparse MoE SwiGLU MLP. x [batch, length, embed] -> (y [batch, length, embed], stats).
+
+    Parameters: router [embed, E]; w_gate, w_up [exp, embed, mlp]; w_down [exp, mlp, embed].
+    stats: {'aux', 'z', 'dropped' (fraction of copies dropped): scalars, 'frac': [E]}.
+    """
+
+    def __init__(self, cfg: MixtralConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        d, f, e, pd = cfg.d_model, cfg.d_ff, cfg.n_experts, cfg.param_dtype
+        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        self.router = _param(rngs, (d, e), ("embed", None), cfg.init_std, pd)
+        self.w_gate = _param(rngs, (e, d, f), ("exp", "embed", "mlp"), cfg.init_std, pd)
+        self.w_up = _param(rngs, (e, d, f), ("exp", "embed", "mlp"), cfg.init_std, pd)
+        self.w_down = _param(rngs, (e, f, d), ("exp", "mlp", "embed"), out_std, pd)
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict]:
+        cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+        x = constrain(x, "batch", "length", "embed")
+        logits = project(x.astype(jnp.float32), self.router[...].astype(jnp.float32))  # [b, t, E]
+        probs = jax.nn.softmax(logits, axis=-1)
+        top, idx = jax.lax.top_k(probs, cfg.top_k)
+        combine = top / top.sum(-1, keepdims=True)
+        stats = router_losses(logits, probs, idx)
+        slots, capacity = None, None
+        if cfg.routing == "capacity":
+            capacity = cfg.capacity(x.shape[1])
+            slots = capacity_slots(idx, cfg.n_experts)
+            stats["dropped"] = jnp.mean((slots >= capacity).astype(jnp.float32))
+        else:
+            stats["dropped"] = jnp.zeros((), jnp.float32)
+        y = routed_experts(x, idx.astype(jnp.int32), combine, self.w_gate[...].astype(dt),
+                           self.w_up[...].astype(dt), self.w_down[...].astype(dt), slots, capacity)
+        return y, stats

@@ -1,0 +1,103 @@
+"""The mixtral family's MoE layer against a naive NumPy reference, and the router losses by hand.
+
+The reference sends every token through its top-k experts one at a time (softmax over the
+router logits, top-k, the k weights renormalised as in Mixtral), and for capacity routing
+drops a copy when its expert already holds ``capacity`` copies of the sequence, first
+choices in position order before second choices (GShard's priority).
+"""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxtrain.models.mixtral import MixtralConfig
+from jaxtrain.models.mixtral.moe import MoE, router_losses
+
+CFG = MixtralConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=2, n_kv_heads=2, d_ff=24, n_experts=4, top_k=2)
+
+
+def silu(v):
+    return v / (1.0 + np.exp(-v))
+
+
+def reference(x, router, wg, wu, wd, k, capacity=None):
+    """x [b, t, d] float64 -> (y [b, t, d], dropped [b, t, k] bool, chosen experts [b, t, k])."""
+    b, t, _ = x.shape
+    logits = x @ router
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    chosen = np.argsort(-p, axis=-1, kind="stable")[..., :k]
+    y, dropped = np.zeros_like(x), np.zeros((b, t, k), bool)
+    for s in range(b):
+        held = np.zeros(router.shape[1], int)
+        for j in range(k):  # choice-major priority
+            for i in range(t):
+                e = chosen[s, i, j]
+                if capacity is not None and held[e] >= capacity:
+                    dropped[s, i, j] = True
+                    continue
+                held[e] += 1
+                w = p[s, i, e] / p[s, i, chosen[s, i]].sum()
+                h = silu(x[s, i] @ wg[e]) * (x[s, i] @ wu[e])
+                y[s, i] += w * (h @ wd[e])
+    return y, dropped, chosen
+
+
+def layer(cfg, seed=0):
+    moe = MoE(cfg, nnx.Rngs(seed))
+    # Larger router weights than the init's, so the routing is far from uniform (and from ties).
+    moe.router[...] = moe.router[...] * 40
+    x = jax.random.normal(jax.random.key(seed + 1), (3, 16, cfg.d_model), jnp.float32)
+    ws = [np.asarray(moe.router[...], np.float64)] + [np.asarray(w[...], np.float64)
+                                                        for w in (moe.w_gate, moe.w_up, moe.w_down)]
+    return moe, x, ws
+
+
+def test_dropless_routing_and_outputs_equal_the_reference():
+    moe, x, ws = layer(CFG)
+    y, stats = jax.jit(lambda m, v: m(v))(moe, x)
+    ref, dropped, chosen = reference(np.asarray(x, np.float64), *ws, CFG.top_k)
+    np.testing.assert_allclose(np.asarray(y), ref, atol=1e-5, rtol=0)
+    assert not dropped.any() and float(stats["dropped"]) == 0.0
+    counts = np.bincount(chosen.ravel(), minlength=CFG.n_experts) / chosen.size
+    np.testing.assert_allclose(np.asarray(stats["frac"]), counts, atol=1e-7)
+    assert counts.max() - counts.min() > 0.04  # unequal shares: the check is not trivial
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0])
+def test_capacity_routing_drops_exactly_the_reference_tokens(factor):
+    cfg = CFG.model_copy(update={"routing": "capacity", "capacity_factor": factor})
+    moe, x, ws = layer(cfg, seed=3)
+    capacity = cfg.capacity(x.shape[1])
+    assert capacity == math.ceil(factor * 16 * 2 / 4)
+    y, stats = jax.jit(lambda m, v: m(v))(moe, x)
+    ref, dropped, _ = reference(np.asarray(x, np.float64), *ws, cfg.top_k, capacity)
+    assert dropped.any()
+    np.testing.assert_allclose(np.asarray(y), ref, atol=1e-5, rtol=0)
+    assert float(stats["dropped"]) == pytest.approx(dropped.mean())
+
+
+def test_router_losses_equal_the_papers_formulas_on_a_hand_built_routing():
+    # 4 tokens, 2 experts, top-1. Logits chosen so probabilities are simple.
+    logits = jnp.log(jnp.array([[0.75, 0.25], [0.75, 0.25], [0.5, 0.5], [0.25, 0.75]], jnp.float32))
+    probs = jax.nn.softmax(logits, -1)
+    idx = jnp.array([[0], [0], [0], [1]])
+    out = router_losses(logits, probs, idx)
+    # Switch: aux = N * sum_i f_i P_i; f = (3/4, 1/4); P = mean probs = (0.5625, 0.4375).
+    assert float(out["aux"]) == pytest.approx(2 * (0.75 * 0.5625 + 0.25 * 0.4375), abs=1e-6)
+    np.testing.assert_allclose(np.asarray(out["frac"]), [0.75, 0.25])
+    # ST-MoE: z = mean over tokens of logsumexp(logits)^2; these logits are log-probabilities: lse = 0.
+    assert float(out["z"]) == pytest.approx(0.0, abs=1e-6)
+    shifted = router_losses(logits + 2.0, probs, idx)
+    assert float(shifted["z"]) == pytest.approx(4.0, abs=1e-5)
+
+
+def test_balanced_routing_gives_an_aux_loss_of_one():
+    logits = jnp.zeros((8, 4), jnp.float32)
+    idx = jnp.array([[i % 4, (i + 1) % 4] for i in range(8)])
+    out = router_losses(logits, jax.nn.softmax(logits, -1), idx)
+    assert float(out["aux"]) == pytest.approx(1.0, abs=1e-6)
+    assert float(out["z"]) == pytest.approx(math.log(4) ** 2, abs=1e-5)

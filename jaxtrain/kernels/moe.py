@@ -9,9 +9,10 @@ token copy through its chosen expert and adds the copies back up:
 Two ways to run the experts:
 
 * **dropless** (MegaBlocks, Gale et al. 2023): the copies are sorted by expert and run as
-  one grouped matmul, ``jax.lax.ragged_dot`` with the per-expert group sizes. No token is
-  dropped. (XLA:CPU expands ``ragged_dot`` into a masked dense matmul per group, so on CPU
-  it costs n_experts x the active FLOPs; GPU and TPU have grouped kernels.)
+  grouped matmuls: ``jax.lax.ragged_dot`` with the per-expert group sizes on GPU and TPU.
+  XLA:CPU expands ``ragged_dot`` into one masked dense matmul per group (n_experts x the
+  work), so on CPU each group is padded to whole blocks and the blocks run as one batched
+  matmul (MegaBlocks' padded layout, :func:`_blocked_swiglu`). No token is dropped.
 * **capacity** (GShard, Lepikhin et al. 2020; Switch, Fedus et al. 2022): each expert has
   ``capacity`` slots per sequence; the model gives each copy its slot, and copies whose slot
   is >= capacity are dropped (they contribute zero; the residual carries the token on).
@@ -45,8 +46,11 @@ from jaxtrain.parallel.rules import ShardingError
 def _grouped_swiglu(rows: jax.Array, expert: jax.Array, w_gate, w_up, w_down) -> jax.Array:
     """rows [M, embed], expert [M] int32 in [0, E] (E = no expert: output 0) -> [M, embed].
 
-    Sorts the rows by expert and runs three ``ragged_dot`` grouped matmuls over the groups.
+    Sorts the rows by expert and runs the SwiGLU as grouped matmuls over the groups: three
+    ``ragged_dot`` calls on GPU and TPU (grouped GEMM kernels), :func:`_blocked_swiglu` on CPU.
     """
+    if jax.default_backend() == "cpu":
+        return _blocked_swiglu(rows, expert, w_gate, w_up, w_down)
     n_exp = w_gate.shape[0]
     order = jnp.argsort(expert, stable=True)
     sizes = jnp.bincount(expert, length=n_exp + 1)[:n_exp].astype(jnp.int32)
@@ -55,6 +59,42 @@ def _grouped_swiglu(rows: jax.Array, expert: jax.Array, w_gate, w_up, w_down) ->
     ys = jax.lax.ragged_dot(h, w_down, sizes)
     ys = jnp.where((jnp.arange(rows.shape[0]) < sizes.sum())[:, None], ys, 0)  # rows past the groups
     return jnp.zeros_like(ys).at[order].set(ys)
+
+
+def block_rows(m: int, n_exp: int) -> int:
+    """Rows per block of :func:`_blocked_swiglu`: a power of two near m / (4 * n_exp), in [8, 128]."""
+    target = max(1, m // (4 * n_exp))
+    return int(min(128, max(8, 1 << (target.bit_length() - 1))))
+
+
+def _blocked_swiglu(rows: jax.Array, expert: jax.Array, w_gate, w_up, w_down) -> jax.Array:
+    """The grouped SwiGLU as batched matmuls over fixed-size blocks (MegaBlocks' padded layout).
+
+    Each expert's rows are padded to a multiple of B rows, so every block of B rows belongs
+    to one expert; the blocks run as one batched matmul with their expert's weights gathered
+    per block. Work: at most (M + E*B) rows instead of the E*M of XLA:CPU's ragged_dot, which
+    expands into one masked dense matmul per group. Same contract as :func:`_grouped_swiglu`.
+    """
+    m, d = rows.shape
+    n_exp = w_gate.shape[0]
+    b = block_rows(m, n_exp)
+    n_blocks = -(-m // b) + n_exp  # static bound: each group wastes less than one block
+    sizes = jnp.bincount(expert, length=n_exp + 1)[:n_exp]
+    padded = -(-sizes // b) * b
+    start = jnp.cumsum(padded) - padded  # each expert's first row in the padded layout
+    order = jnp.argsort(expert, stable=True)
+    e_sorted = expert[order]
+    valid = e_sorted < n_exp
+    e_safe = jnp.minimum(e_sorted, n_exp - 1)
+    rank = jnp.arange(m) - (jnp.cumsum(sizes) - sizes)[e_safe]
+    dest = jnp.where(valid, start[e_safe] + rank, n_blocks * b)  # invalid rows go to a cut-off row
+    buf = jnp.zeros((n_blocks * b + 1, d), rows.dtype).at[dest].set(rows[order])[:-1].reshape(n_blocks, b, d)
+    owner = jnp.searchsorted(jnp.cumsum(padded), jnp.arange(n_blocks) * b, side="right")
+    owner = jnp.minimum(owner, n_exp - 1)  # blocks past the last group hold zeros; any expert will do
+    h = jax.nn.silu(jnp.einsum("nbd,ndf->nbf", buf, w_gate[owner])) * jnp.einsum("nbd,ndf->nbf", buf, w_up[owner])
+    out = jnp.einsum("nbf,nfd->nbd", h, w_down[owner]).reshape(n_blocks * b, d)
+    out = jnp.concatenate([out, jnp.zeros((1, d), out.dtype)])[dest]
+    return jnp.zeros((m, d), out.dtype).at[order].set(out)
 
 
 def _dropless(x2, idx, w_gate, w_up, w_down, axis, ep: int) -> jax.Array:
@@ -119,6 +159,22 @@ def _axes(entry) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def top_k(probs: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """``jax.lax.top_k`` over the last dim of probs [batch, length, E], on each device's own tokens.
+
+    GSPMD gathers the whole batch before a sharded ``top_k``; under the trainer's activation
+    sharding this runs it per device inside ``shard_map`` instead (the choice is per token).
+    Returns (values [batch, length, k] float32, indices [batch, length, k] int32).
+    """
+    active = active_sharding()
+    if active is None:
+        return jax.lax.top_k(probs, k)
+    rules, mesh = active
+    spec = rules.spec("moe router probabilities", ("batch", "length", None), probs.shape, mesh)
+    return jax.shard_map(lambda p: tuple(jax.lax.top_k(p, k)), mesh=mesh, in_specs=spec, out_specs=(spec, spec),
+                         check_vma=True)(probs)
+
+
 def routed_experts(x: jax.Array, idx: jax.Array, combine: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                    w_down: jax.Array, slots: Optional[jax.Array] = None,
                    capacity: Optional[int] = None) -> jax.Array:
@@ -143,18 +199,20 @@ def routed_experts(x: jax.Array, idx: jax.Array, combine: jax.Array, w_gate: jax
         return _local(x, idx, combine, slots, w_gate, w_up, w_down, axis=None, ep=1, mlp_axes=(), **fn)
     rules, mesh = active
     w_spec = rules.spec("moe expert weights", ("exp", "embed", "mlp"), w_gate.shape, mesh)
-    exp_axes, mlp_axes = _axes(w_spec[0]), _axes(w_spec[2])
+    big = lambda entry: tuple(a for a in _axes(entry) if mesh.shape[a] > 1)  # noqa: E731  (size-1 axes: no-ops)
+    exp_axes, mlp_axes = big(w_spec[0]), big(w_spec[2])
     tok_spec = rules.spec("moe tokens", ("batch", "length", "embed"), x.shape, mesh)
-    tok_axes = _axes(tok_spec[0]) + _axes(tok_spec[1])
+    tok_axes = big(tok_spec[0]) + big(tok_spec[1])
     clash = [a for a in mlp_axes if a in tok_axes]
     if clash:
         raise ShardingError(f"moe expert weights: dimension 2 ('mlp') uses mesh axis '{clash[0]}', which also "
                             f"splits the tokens ('batch'/'length') in rule set '{rules.name}'")
     ep = math.prod(mesh.shape[a] for a in exp_axes)
-    t_spec = P(tok_spec[0], tok_spec[1], None)
-    win, wout = P(w_spec[0], None, w_spec[2]), P(w_spec[0], w_spec[2], None)
+    t_spec = P(big(tok_spec[0]) or None, big(tok_spec[1]) or None, None)
+    e_entry, m_entry = exp_axes or None, mlp_axes or None
+    win, wout = P(e_entry, None, m_entry), P(e_entry, m_entry, None)
     slot_arg = jnp.zeros(idx.shape, jnp.int32) if slots is None else slots
     body = lambda *a: _local(*a, axis=exp_axes or None, ep=ep, mlp_axes=mlp_axes, **fn)  # noqa: E731
     run = jax.shard_map(body, mesh=mesh, in_specs=(t_spec, t_spec, t_spec, t_spec, win, win, wout),
-                        out_specs=t_spec, check_vma=False)
+                        out_specs=t_spec, check_vma=set(exp_axes) <= set(tok_axes))
     return run(x, idx, combine, slot_arg, w_gate, w_up, w_down)

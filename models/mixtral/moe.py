@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtrain.kernels.moe import routed_experts
+from jaxtrain.kernels.moe import routed_experts, top_k
 from jaxtrain.models.llama.model import _param, project
 from jaxtrain.models.mixtral.config import MixtralConfig
 from jaxtrain.parallel.activations import constrain
@@ -69,7 +69,7 @@ class MoE(nnx.Module):
         x = constrain(x, "batch", "length", "embed")
         logits = project(x.astype(jnp.float32), self.router[...].astype(jnp.float32))  # [b, t, E]
         probs = jax.nn.softmax(logits, axis=-1)
-        top, idx = jax.lax.top_k(probs, cfg.top_k)
+        top, idx = top_k(probs, cfg.top_k)
         combine = top / top.sum(-1, keepdims=True)
         stats = router_losses(logits, probs, idx)
         slots, capacity = None, None

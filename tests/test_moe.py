@@ -127,3 +127,35 @@ def test_the_cpu_blocked_grouped_matmul_equals_ragged_dot_values_and_gradients()
     for g_blocked, g_ragged in zip(jax.grad(loss(blocked), argnums=(0, 1, 2, 3))(rows, *ws),
                                    jax.grad(loss(ragged), argnums=(0, 1, 2, 3))(rows, *ws)):
         np.testing.assert_allclose(g_blocked, g_ragged, atol=1e-3, rtol=1e-4)
+
+
+def test_flops_per_token_count_the_active_parameters():
+    from jaxtrain.models.mixtral import Mixtral
+    from jaxtrain.models.mixtral.flops import active_matmul_params, flops_per_token
+    cfg = CFG.model_copy(update={"top_k": 1})
+    model = Mixtral(cfg, nnx.Rngs(0))
+    sizes = {"/".join(map(str, p)): v.size for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    total = sum(sizes.values())
+    norms = sum(n for k, n in sizes.items() if k.endswith("scale"))
+    expert = 3 * cfg.d_model * cfg.d_ff  # one SwiGLU expert
+    # Everything but the embedding lookup and the norm scales, with 1 of the 4 experts per layer.
+    inactive = cfg.n_layers * (cfg.n_experts - cfg.top_k) * expert
+    assert active_matmul_params(cfg) == total - sizes["embed/embedding"] - norms - inactive
+    attention = 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * 32
+    assert flops_per_token(cfg, 32) == 6 * active_matmul_params(cfg) + attention
+    top2 = CFG
+    assert active_matmul_params(top2) - active_matmul_params(cfg) == cfg.n_layers * expert
+
+
+def test_routing_keys_are_checked_and_named():
+    from jaxtrain import config as cfglib
+    from jaxtrain.config import ConfigError
+    for override, message in [
+        ("model.top_k=9", "model.top_k: 9 is more than model.n_experts=8"),
+        ("model.capacity_factor=0", "model.capacity_factor: must be > 0, got 0.0"),
+        ("model.routing=tokens", "model.routing"),
+        ("model.aux_loss_weight=-1", "model.aux_loss_weight: must be >= 0, got -1.0"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            cfglib.load(None, ["model.family=mixtral", override])
+        assert str(e.value).startswith(message), str(e.value)

@@ -94,3 +94,24 @@ def test_the_step_moves_tokens_by_all_to_all_and_gathers_no_expert_weight():
     # [8 devices, tokens*k, 64] float32 with one sequence of 32 tokens per device, plus the expert ids.
     rows = 8 * 32 * 2
     assert moved >= 2 * 4 * rows * 64 * 4, moved
+
+
+@pytest.mark.parametrize("batch_rule, axis, message", [
+    ([("data", "fsdp")], "expert", "dimension 0 ('exp') uses mesh axis 'expert', which does not split the tokens "
+                                   "in rule set 'ep' (add it to the 'batch' rule)"),
+    ([("data", "fsdp", "expert", "tensor")], "tensor", "dimension 2 ('mlp') uses mesh axis 'tensor', which also "
+                                                       "splits the tokens ('batch'/'length') in rule set 'ep'"),
+])
+def test_expert_layouts_that_would_send_tokens_twice_or_mix_them_are_named_errors(batch_rule, axis, message):
+    import jax.numpy as jnp
+    from jaxtrain.kernels.moe import routed_experts
+    from jaxtrain.parallel.activations import activation_sharding
+    from jaxtrain.parallel.rules import Rules, ShardingError
+    rules = Rules.load("ep")
+    rules.table["batch"] = batch_rule
+    mesh = jax.make_mesh((1, 1, 2, 1, 4), cfglib.MESH_AXES)
+    x, idx = jnp.zeros((8, 4, 16)), jnp.zeros((8, 4, 2), jnp.int32)
+    w, wd = jnp.zeros((8, 16, 32)), jnp.zeros((8, 32, 16))
+    with activation_sharding(rules, mesh), pytest.raises(ShardingError) as e:
+        jax.eval_shape(lambda: routed_experts(x, idx, jnp.ones((8, 4, 2)), w, w, wd))
+    assert str(e.value) == "moe expert weights: " + message

@@ -172,7 +172,7 @@ def top_k(probs: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     rules, mesh = active
     spec = rules.spec("moe router probabilities", ("batch", "length", None), probs.shape, mesh)
     return jax.shard_map(lambda p: tuple(jax.lax.top_k(p, k)), mesh=mesh, in_specs=spec, out_specs=(spec, spec),
-                         check_vma=True)(probs)
+                         )(probs)
 
 
 def routed_experts(x: jax.Array, idx: jax.Array, combine: jax.Array, w_gate: jax.Array, w_up: jax.Array,
@@ -191,7 +191,8 @@ def routed_experts(x: jax.Array, idx: jax.Array, combine: jax.Array, w_gate: jax
       [batch, length, embed] in x's dtype.
     Raises:
       ShardingError: the rules split the experts' ``mlp`` over an axis that also splits the tokens,
-        or the expert count is not divisible by the devices on ``exp``.
+        split ``exp`` over an axis that does not split the tokens, or the expert count is not
+        divisible by the devices on ``exp``.
     """
     active = active_sharding()
     fn = dict(capacity=capacity)
@@ -207,6 +208,10 @@ def routed_experts(x: jax.Array, idx: jax.Array, combine: jax.Array, w_gate: jax
     if clash:
         raise ShardingError(f"moe expert weights: dimension 2 ('mlp') uses mesh axis '{clash[0]}', which also "
                             f"splits the tokens ('batch'/'length') in rule set '{rules.name}'")
+    lone = [a for a in exp_axes if a not in tok_axes]
+    if lone:  # each device must send its own tokens: tokens copied over an expert axis would be sent twice
+        raise ShardingError(f"moe expert weights: dimension 0 ('exp') uses mesh axis '{lone[0]}', which does not "
+                            f"split the tokens in rule set '{rules.name}' (add it to the 'batch' rule)")
     ep = math.prod(mesh.shape[a] for a in exp_axes)
     t_spec = P(big(tok_spec[0]) or None, big(tok_spec[1]) or None, None)
     e_entry, m_entry = exp_axes or None, mlp_axes or None
@@ -214,5 +219,5 @@ def routed_experts(x: jax.Array, idx: jax.Array, combine: jax.Array, w_gate: jax
     slot_arg = jnp.zeros(idx.shape, jnp.int32) if slots is None else slots
     body = lambda *a: _local(*a, axis=exp_axes or None, ep=ep, mlp_axes=mlp_axes, **fn)  # noqa: E731
     run = jax.shard_map(body, mesh=mesh, in_specs=(t_spec, t_spec, t_spec, t_spec, win, win, wout),
-                        out_specs=t_spec, check_vma=set(exp_axes) <= set(tok_axes))
+                        out_specs=t_spec)
     return run(x, idx, combine, slot_arg, w_gate, w_up, w_down)

@@ -1,6 +1,6 @@
 """``python -m jaxtrain.export``: Hugging Face safetensors out of a run, or into a new one.
 
-    python -m jaxtrain.export RUN_DIR [--step N] --format safetensors OUT_DIR
+    python -m jaxtrain.export RUN_DIR [--step N] [--max-shard-size 5GB] --format safetensors OUT_DIR
     python -m jaxtrain.export --import HF_DIR [--config FILE] [key=value ...]
     python -m jaxtrain.export RUN_DIR --register NAME [--alias candidate]   # MLflow model registry
 
@@ -9,6 +9,7 @@ See ``jaxtrain.train.hf`` and ``jaxtrain.train.handoff``.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -23,6 +24,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--config", help="with --import: YAML config or a name in configs/")
     parser.add_argument("--step", type=int, help="checkpoint step to export (default: latest committed)")
     parser.add_argument("--format", default="safetensors", choices=["safetensors"])
+    parser.add_argument("--max-shard-size", help="export: weights above this size are written as HF shards "
+                                                 "(model-00001-of-0000N.safetensors + index); bytes or e.g. "
+                                                 "5GB, 500MB, 2GiB (default 5GB)")
     parser.add_argument("--register", metavar="NAME", help="register the export as a new version of this MLflow "
                                                            "model (OUT_DIR is then optional)")
     parser.add_argument("--alias", help="with --register: point this alias (e.g. candidate) at the new version")
@@ -34,17 +38,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("export needs RUN_DIR and OUT_DIR (or RUN_DIR --register NAME)")
     if a.alias and not a.register:
         parser.error("--alias goes with --register")
+    if a.max_shard_size is not None and (a.import_dir or len(a.args) != 2):
+        parser.error("--max-shard-size goes with an export to OUT_DIR")
 
     def body() -> None:
-        from jaxtrain.config import load
         from jaxtrain.train import hf
         if a.import_dir:
-            run_dir = hf.import_hf(Path(a.import_dir), load(a.config, a.args))
+            cfg, notes = hf.import_config(Path(a.import_dir), a.config, a.args)
+            run_dir = hf.import_hf(Path(a.import_dir), cfg)
+            for note in notes:
+                print(f"note: {note}", file=sys.stderr)
             print(f"imported {a.import_dir} into {run_dir} (step 0)")
             return
         if len(a.args) == 2:
-            out = hf.export(Path(a.args[0]), Path(a.args[1]), a.step)
-            print(f"wrote {out / hf.WEIGHTS_FILE} and {out / 'config.json'}")
+            out = hf.export(Path(a.args[0]), Path(a.args[1]), a.step,
+                            a.max_shard_size or hf.DEFAULT_MAX_SHARD_SIZE)
+            if (out / hf.INDEX_FILE).is_file():
+                index = json.loads((out / hf.INDEX_FILE).read_text())
+                shards = len(set(index["weight_map"].values()))
+                print(f"wrote {shards} shards, {out / hf.INDEX_FILE} and {out / hf.CONFIG_FILE}")
+            else:
+                print(f"wrote {out / hf.WEIGHTS_FILE} and {out / hf.CONFIG_FILE}")
         if a.register:
             from jaxtrain.train.handoff import register
             v = register(Path(a.args[0]), a.register, a.alias, a.step, a.tracking_uri)

@@ -1,10 +1,44 @@
 """``model:`` keys of the llama family (``model.family: llama``, the default)."""
 from __future__ import annotations
 
+import math
 from typing import ClassVar, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict
 
 from jaxtrain.config.checks import positive
 from jaxtrain.config.schema import ConfigError, ModelConfig
+
+
+class RopeScaling(BaseModel):
+    """``model.rope_scaling``: Llama 3.1's rotary frequency scaling (HF ``rope_type: llama3``).
+
+    The defaults are Llama 3.1's own numbers, so ``model.rope_scaling.type=llama3`` alone turns it
+    on, and any one key can be set as ``model.rope_scaling.factor=8`` (the others keep these
+    values); ``model.rope_scaling=null`` turns it off. See ``rope_frequencies`` in ``model.py``.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    type: Literal["llama3"] = "llama3"
+    factor: float = 8.0  # wavelengths longer than the low-frequency bound are stretched by this
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192  # the context the model was pre-trained at
+
+    def check(self) -> None:
+        """Raises ConfigError naming ``model.rope_scaling.<key>`` for a value the formula cannot use."""
+        pre = "model.rope_scaling."
+        for key in ("factor", "low_freq_factor", "high_freq_factor"):
+            value = getattr(self, key)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"{pre}{key}: must be a finite number > 0, got {value}")
+        if self.factor < 1:
+            raise ConfigError(f"{pre}factor: must be >= 1 (it stretches wavelengths), got {self.factor}")
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ConfigError(f"{pre}high_freq_factor: must be > low_freq_factor={self.low_freq_factor}, "
+                              f"got {self.high_freq_factor}")
+        positive(f"{pre}original_max_position_embeddings", self.original_max_position_embeddings)
 
 
 class LlamaConfig(ModelConfig):
@@ -18,6 +52,7 @@ class LlamaConfig(ModelConfig):
     n_kv_heads: int = 4
     d_ff: int = 384
     rope_theta: float = 10000.0
+    rope_scaling: Optional[RopeScaling] = None  # None: plain RoPE; see RopeScaling
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     dtype: Literal["float32", "bfloat16"] = "float32"  # activation/compute dtype
@@ -27,6 +62,9 @@ class LlamaConfig(ModelConfig):
     init_std: float = 0.02
     scan_layers: bool = False  # stack the blocks and lax.scan over them (flat compile time in depth)
     remat: Literal["none", "full", "save_matmuls"] = "none"  # activation recompute per block
+    # The context length the model is declared for (HF max_position_embeddings; None: data.seq_len).
+    # Only recorded and exported: it changes no computation.
+    max_positions: Optional[int] = None
 
     layout_keys: ClassVar[tuple[str, ...]] = (
         "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "tie_embeddings", "param_dtype",
@@ -45,6 +83,14 @@ class LlamaConfig(ModelConfig):
             raise ConfigError(f"model.d_model: {self.d_model} is not divisible by model.n_heads={self.n_heads}")
         if self.head_dim % 2:
             raise ConfigError(f"model.d_model: head dim {self.head_dim} must be even for rotary embeddings")
+        if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
+            raise ConfigError(f"model.rope_theta: must be a finite number > 0, got {self.rope_theta}")
+        if not (math.isfinite(self.norm_eps) and self.norm_eps >= 0):
+            raise ConfigError(f"model.norm_eps: must be a finite number >= 0, got {self.norm_eps}")
+        if self.rope_scaling is not None:
+            self.rope_scaling.check()
+        if self.max_positions is not None:
+            positive("model.max_positions", self.max_positions)
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(f"model.n_kv_heads: model.n_heads={self.n_heads} is not divisible by "
                               f"n_kv_heads={self.n_kv_heads}")

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.models.attention import attention
-from jaxtrain.models.llama.config import LlamaConfig
+from jaxtrain.models.llama.config import LlamaConfig, RopeScaling
 from jaxtrain.parallel.activations import constrain, devices_along
 
 # Every logical name the parameters and activations below use (each rule set must name them all).
@@ -80,13 +80,41 @@ class RMSNorm(nnx.Module):
         return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def rope_frequencies(head_dim: int, theta: float, scaling: Optional[RopeScaling] = None) -> jax.Array:
+    """The rotary angular frequencies, [head_dim // 2] float32: theta^(-2i/head_dim), i < head_dim/2.
+
+    With ``scaling`` (type llama3: Llama 3.1's frequency scaling, as in Meta's reference
+    ``apply_scaling`` and HF's ``_compute_llama3_parameters``) each frequency f, of wavelength
+    w = 2*pi/f, becomes, with L = original_max_position_embeddings:
+      f                                     if w < L / high_freq_factor   (high frequencies kept)
+      f / factor                            if w > L / low_freq_factor    (low frequencies stretched)
+      (1 - s) * f / factor + s * f          otherwise, s = (L / w - low_freq_factor)
+                                                             / (high_freq_factor - low_freq_factor)
+    Without it the result is exactly the plain RoPE frequencies (the same ops as before).
+    """
+    half = head_dim // 2
+    inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
+    if scaling is None:
+        return inv_freq
+    if scaling.type != "llama3":  # the config schema admits only llama3; a new type must be added here
+        raise ValueError(f"model.rope_scaling.type: unknown type '{scaling.type}'")
+    old_len, lo, hi = float(scaling.original_max_position_embeddings), scaling.low_freq_factor, \
+        scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - lo) / (hi - lo)
+    mid = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    out = jnp.where(wavelen > old_len / lo, inv_freq / scaling.factor, mid)
+    return jnp.where(wavelen < old_len / hi, inv_freq, out).astype(jnp.float32)
+
+
+def rotary(x: jax.Array, positions: jax.Array, theta: float, scaling: Optional[RopeScaling] = None) -> jax.Array:
     """Rotary embedding, HF rotate_half convention. x: [batch, length, heads, kv]; positions: [batch, length] int.
 
     out = x * cos + rotate_half(x) * sin, written per half (one concatenate, no rotated copy of x).
+    ``scaling``: the frequency scaling of :func:`rope_frequencies` (None: plain RoPE).
     """
     half = x.shape[-1] // 2
-    inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
+    inv_freq = rope_frequencies(x.shape[-1], theta, scaling)
     angles = positions.astype(jnp.float32)[..., None, None] * inv_freq  # [b, t, 1, half]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
@@ -110,11 +138,11 @@ class Attention(nnx.Module):
         q = project(x, self.wq[...].astype(dt))  # [b, t, heads, kv]
         k = project(x, self.wk[...].astype(dt))
         v = project(x, self.wv[...].astype(dt))
-        q = constrain(rotary(q, positions, cfg.rope_theta), "batch", "length", "heads", "kv")
+        q = constrain(rotary(q, positions, cfg.rope_theta, cfg.rope_scaling), "batch", "length", "heads", "kv")
         # K/V get their own length name: sequence parallelism gathers them over the full length.
         # Ring attention keeps K/V split like the queries (it rotates them), so no gather.
         kv_len = "length" if cfg.attention == "ring" else "kv_length"
-        k = constrain(rotary(k, positions, cfg.rope_theta), "batch", kv_len, "kv_heads", "kv")
+        k = constrain(rotary(k, positions, cfg.rope_theta, cfg.rope_scaling), "batch", kv_len, "kv_heads", "kv")
         v = constrain(v, "batch", kv_len, "kv_heads", "kv")
         out = attention(q, k, v, segment_ids=segment_ids, implementation=cfg.attention)
         out = constrain(out, "batch", "length", "heads", "kv")

@@ -2,15 +2,16 @@
 
 ``config.py`` holds its ``model:`` keys, ``moe.py`` the router, experts and router losses,
 ``model.py`` the NNX module, ``loss.py`` the training loss with the router losses,
-``flops.py`` its FLOPs per token (active parameters).
+``flops.py`` its FLOPs per token (active parameters), ``hf.py`` the Hugging Face converter.
 """
 from jaxtrain.models.family import Family
 from jaxtrain.models.mixtral.config import MixtralConfig
 from jaxtrain.models.mixtral.flops import flops_per_token
+from jaxtrain.models.mixtral.hf import MixtralHF
 from jaxtrain.models.mixtral.loss import moe_loss
 from jaxtrain.models.mixtral.model import LOGICAL_AXES, Mixtral
 
 FAMILY = Family(name="mixtral", config=MixtralConfig, model=Mixtral, flops_per_token=flops_per_token,
-                logical_axes=LOGICAL_AXES, loss=moe_loss)
+                logical_axes=LOGICAL_AXES, loss=moe_loss, hf=MixtralHF())
 
 __all__ = ["FAMILY", "Mixtral", "MixtralConfig"]

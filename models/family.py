@@ -30,7 +30,10 @@ LossFn = Callable[[nnx.Module, dict], tuple[jax.Array, dict]]
 class HFConverter(Protocol):
     """A family's Hugging Face ``safetensors`` converter (names and layouts of its HF class)."""
 
-    architecture: str  # e.g. "LlamaForCausalLM"
+    architecture: str  # e.g. "LlamaForCausalLM": what export writes
+    # Every HF architecture import reads with this converter (e.g. Llama and Mistral), each
+    # with its HF config class's defaults; optional (default: ``{architecture: {}}``).
+    architectures: dict[str, dict[str, Any]]
 
     def vocab_size(self, tensors: dict) -> int: ...
 
@@ -38,6 +41,11 @@ class HFConverter(Protocol):
     def from_hf(self, tensors: dict, cfg: Any) -> dict: ...
     def shapes(self, cfg: Any) -> dict[str, tuple]: ...
     def hf_config(self, cfg: Any, seq_len: int) -> dict: ...
+
+    def model_keys(self, hf: dict, seq_len: int) -> tuple[dict, list[str]]:
+        """config.json -> (this family's ``model:`` keys, notes); ConfigError names what it cannot
+        represent. Without it a family cannot be imported from Hugging Face."""
+        ...
 
 
 def masked_cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -89,3 +89,24 @@ def test_resume_notes_name_changed_data_and_optimizer_keys(small_cfg):
     assert shape_keys == []
     assert notes == ["data.seed changed from 0 to 3", "optimizer.lr changed from 0.001 to 0.0005",
                      "optimizer.b2 changed from 0.99 to 0.95"]
+
+
+def test_the_jitted_sampler_equals_a_token_by_token_loop_with_a_sliding_window():
+    import jax.numpy as jnp
+
+    def logits_fn(p, buf):  # position t favours (7 * sum(buf[:t+1]) + t) mod 10: depends on the window
+        t = jnp.arange(buf.shape[1])
+        return (jax.nn.one_hot((7 * jnp.cumsum(buf[0]) + t) % 10, 10) * 5.0 + p)[None]
+
+    def host(prompt, n, seq_len):  # the plain loop: the last seq_len tokens, argmax at the last one
+        out = list(prompt)
+        for _ in range(n):
+            ctx = np.asarray(out[-seq_len:])
+            t = len(ctx) - 1
+            out.append(int(np.argmax(np.asarray(logits_fn(0.0, jnp.asarray(ctx)[None]))[0, t])))
+        return out
+
+    ids = generate(logits_fn, 0.0, np.array([2, 5]), 12, 4, temperature=0.0, seed=0)
+    assert ids.tolist() == host([2, 5], 12, 4)
+    assert len(set(ids.tolist())) > 3  # the sequence moves, so the window bookkeeping is exercised
+    assert generate(logits_fn, 0.0, np.array([1, 2, 3, 4, 5, 6]), 5, 4, 0.0, 0).tolist() == host([1, 2, 3, 4, 5, 6], 5, 4)

@@ -1,30 +1,83 @@
 #!/usr/bin/env bash
 # One-H200 benchmark: a Llama-style ~1.1B decoder (configs/llama_1b_h200.yaml: bf16 compute,
-# seq 2048, global batch 8, scan over layers, save-matmuls remat) for 30 timed steps after
-# 3 warm-up steps. Prints step time, tokens/s and MFU against the table peak (H200 bf16 dense
-# 989 TFLOP/s), writes benchmarks/out/gpu_h200.json and appends a row to benchmarks/RESULTS.md.
-# Expected: ~1-2 min compile + < 1 min of steps, well under 8 minutes.
+# seq 2048, global batch 8, scan over layers, save-matmuls remat), step time, tokens/s and MFU
+# against the table peak (H200 bf16 dense 989 TFLOP/s).
 #
-#   bash benchmarks/gpu_h200.sh            # on the GPU machine (jax[cuda] installed)
-#   bash benchmarks/gpu_h200.sh --smoke    # on CPU: validate the config and compile the
-#                                          # full-size step from shapes only (no allocation)
+#   bash benchmarks/gpu_h200.sh --fetch-wheels   # here, with network: what the GPU image lacks, as
+#                                                # Python 3.12 wheels, into .whl/ (git-ignored)
+#   bash benchmarks/gpu_h200.sh [--budget S]     # on the GPU machine, from this source checkout
+#   bash benchmarks/gpu_h200.sh --smoke          # on CPU: validate and compile the step from shapes
 #
-# The GPU image has jax/flax/optax/orbax but not grain/array-record: install jaxtrain with
-# `pip install --no-deps -e .` plus those wheels first (see the device tool's README).
+# The GPU machine has no network and runs the source tree without installing it: the wheels in
+# .whl/ (pydantic, grain, array-record, google-crc32c, portpicker and their missing needs) are
+# installed offline into /tmp/jaxtrain-site. Everything measured goes to $OUT (default
+# benchmarks/out): JSON per stage, the logs, and RESULTS.md with the new rows, since only $OUT
+# comes back from that machine. Stages run by value while the budget (default 480 s) lasts:
+#   1. the 1.1B step with model.attention=auto (cuDNN on an H200), 30 steps: the MFU figure;
+#   2. the same step with our Pallas (Triton) flash attention, 10 steps;
+#   3. the 25M config, 20 steps (a small-model row).
+# CI lowers stage 1's step (with Pallas attention) for `cuda` on CPU: tests/test_gpu_lowering.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python}
-if [[ "${1:-}" == "--smoke" ]]; then
-  shift
-  JAX_PLATFORMS=cpu exec "$PY" benchmarks/step.py --config llama_1b_h200 --abstract "$@"
+REPO=$(pwd)
+PY=${PYTHON:-python3}
+WHEELS=(pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
+        typing-extensions==4.16.0 grain==0.2.18 array-record==0.8.6 google-crc32c==1.9.0 portpicker==1.6.0)
+
+case "${1:-}" in
+  --fetch-wheels)
+    grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+    "$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl "${WHEELS[@]}"
+    echo "wheels in .whl/; carry .whl to the GPU machine"
+    exit 0 ;;
+  --smoke)
+    shift
+    JAX_PLATFORMS=cpu exec "$PY" benchmarks/step.py --config llama_1b_h200 --abstract "$@" ;;
+esac
+BUDGET=480
+if [[ "${1:-}" == "--budget" ]]; then BUDGET=$2; shift 2; fi
+START=$(date +%s)
+left() { echo $(( BUDGET - ($(date +%s) - START) )); }
+OUT=${OUT:-$REPO/benchmarks/out}
+mkdir -p "$OUT"
+
+export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
+if compgen -G ".whl/*.whl" > /dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/jaxtrain-site .whl/*.whl
+  export PYTHONPATH=/tmp/jaxtrain-site:$PYTHONPATH
 fi
-"$PY" - <<'PYEOF'
-import jax
+"$PY" - <<'PYEOF' 2>&1 | tee "$OUT/environment.txt"
+import importlib, jax
+missing = []
+for name in ("pydantic", "grain", "array_record", "google_crc32c", "jaxtrain.models", "jaxtrain.data", "jaxtrain.train"):
+    try:
+        importlib.import_module(name)
+    except Exception as err:  # every missing piece at once, not one per try
+        missing.append(f"{name}: {type(err).__name__}: {err}")
 d = jax.devices()[0]
 print(f"devices: {len(jax.devices())} x {d.device_kind} ({d.platform}), jax {jax.__version__}")
+if missing:
+    raise SystemExit("gpu_h200.sh: cannot import\n  " + "\n  ".join(missing) + "\n(run --fetch-wheels here and carry .whl)")
 if d.platform != "gpu":
     raise SystemExit("gpu_h200.sh: no GPU visible to JAX (use --smoke on CPU)")
 PYEOF
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}
-exec timeout 470 "$PY" benchmarks/step.py --config llama_1b_h200 --steps 30 --warmup 3 \
-  --json benchmarks/out/gpu_h200.json --write-results "$@"
+
+stage() {  # name, minimum seconds worth starting with, then step.py arguments
+  local name=$1 need=$2; shift 2
+  local t; t=$(left)
+  if (( t < need )); then echo "skip $name: ${t}s left of the ${BUDGET}s budget" | tee -a "$OUT/stages.txt"; return 0; fi
+  echo "stage $name (${t}s left)" | tee -a "$OUT/stages.txt"
+  local rc=0
+  timeout $(( t - 10 )) "$PY" benchmarks/step.py --json "$OUT/$name.json" --write-results "$@" \
+    > "$OUT/$name.log" 2>&1 || rc=$?
+  tail -n 20 "$OUT/$name.log"
+  echo "stage $name: rc $rc" | tee -a "$OUT/stages.txt"
+  cp benchmarks/RESULTS.md "$OUT/RESULTS.md"
+}
+stage llama_1b_auto 180 --config llama_1b_h200 --steps 30 --warmup 3 data.path=stdlib
+stage llama_1b_pallas 150 --config llama_1b_h200 --steps 10 --warmup 2 data.path=stdlib model.attention=pallas
+stage llama_25m 60 --config llama_25m --steps 20 --warmup 3 data.path=stdlib data.tokenizer=byte
+echo "results in $OUT"

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain.config.schema import ConfigError
-from jaxtrain.kernels import blockwise, flash_gpu, flash_tpu, reference, ring
+from jaxtrain.kernels import blockwise, flash_gpu, flash_tpu, reference, ring, target
 from jaxtrain.parallel.activations import devices_along
 
 IMPLEMENTATIONS = ("auto", "xla", "blockwise", "cudnn", "pallas", "ring")
@@ -75,7 +75,7 @@ def cudnn_attention(q, k, v, segment_ids=None, causal=True, window=None):
 
 def pallas_attention(q, k, v, segment_ids=None, causal=True, window=None):
     """Our FlashAttention-2 kernel for the current backend."""
-    if jax.default_backend() == "tpu":
+    if target.backend() == "tpu":
         return flash_tpu.flash_attention(q, k, v, segment_ids, causal=causal, window=window)
     return flash_gpu.flash_attention(q, k, v, segment_ids, causal=causal, window=window)
 
@@ -109,7 +109,7 @@ def choose(implementation: str, q, k, segment_ids=None, window=None, backend: Op
     Raises:
       AttentionBackendError: cudnn off a GPU; ValueError: an unknown name.
     """
-    backend = backend or jax.default_backend()
+    backend = backend or target.backend()
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"model.attention: unknown implementation '{implementation}' "
                          f"(known: {', '.join(IMPLEMENTATIONS)})")

@@ -24,3 +24,22 @@ def test_flash_attention_forward_and_backward_lower_for_cuda(shape, kv_heads):
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     text = grads.trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
     assert "jaxtrain_flash_bwd_dq" in text and "jaxtrain_flash_bwd_dkdv" in text
+
+
+@pytest.mark.parametrize("config, overrides, expect", [
+    # The one-H200 benchmark's 1.1B step with our Pallas attention: Triton kernels in the module.
+    ("llama_1b_h200", ["model.attention=pallas"], "jaxtrain_flash_fwd"),
+    # The MoE family's dropless experts: ragged_dot (grouped GEMM) on GPU, not the CPU blocked path.
+    ("moe_shakespeare", ["model.attention=pallas", "model.dtype=bfloat16", "data.path=stdlib",
+                         "data.tokenizer=byte"], "ragged"),
+])
+def test_train_steps_lower_for_cuda(config, overrides, expect):
+    from jaxtrain import config as cfglib
+    from jaxtrain.kernels.target import lowering_for
+    from jaxtrain.train import setup
+    s = setup(cfglib.load(config, overrides), jax.devices()[:1], vocab=256)
+    step = s.fns.train_step
+    with lowering_for("gpu"):
+        text = step.inner.trace(s.abstract_state(), s.abstract_batch(), step.hparams).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert expect in text and "__gpu$xla.gpu.triton" in text

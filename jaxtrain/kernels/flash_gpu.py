@@ -19,6 +19,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from jaxtrain.kernels import target
 from jaxtrain.kernels.flash_common import (FlashParams, block_mask, finalize, kv_block_range, make_flash,
                                            online_softmax_update, q_block_range, run_flash, safe_lse)
 
@@ -218,6 +219,6 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_segment_ids: Opt
     Returns: [batch, q_len, heads, head_dim] in q's dtype.
     """
     if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+        interpret = target.backend() != "gpu"
     return run_flash(_flash, q, k, v, q_segment_ids, kv_segment_ids, causal=causal, window=window,
                      block_q=block_q, block_k=block_k, interpret=interpret, min_block=16, pow2_head_dim=True)

@@ -19,6 +19,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from jaxtrain.kernels import target
 from jaxtrain.kernels.flash_common import (NEG_INF, FlashParams, block_mask, finalize, kv_block_range,
                                            make_flash, online_softmax_update, q_block_range, run_flash,
                                            safe_lse)
@@ -210,6 +211,6 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_segment_ids: Opt
     interpret: None = TPU interpret mode unless running on a TPU.
     """
     if interpret is None:
-        interpret = jax.default_backend() != "tpu"
+        interpret = target.backend() != "tpu"
     return run_flash(_flash, q, k, v, q_segment_ids, kv_segment_ids, causal=causal, window=window,
                      block_q=block_q, block_k=block_k, interpret=interpret, min_block=8)

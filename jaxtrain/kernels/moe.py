@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxtrain.kernels import target
 from jaxtrain.parallel.activations import active_sharding
 from jaxtrain.parallel.rules import ShardingError
 
@@ -49,7 +50,7 @@ def _grouped_swiglu(rows: jax.Array, expert: jax.Array, w_gate, w_up, w_down) ->
     Sorts the rows by expert and runs the SwiGLU as grouped matmuls over the groups: three
     ``ragged_dot`` calls on GPU and TPU (grouped GEMM kernels), :func:`_blocked_swiglu` on CPU.
     """
-    if jax.default_backend() == "cpu":
+    if target.backend() == "cpu":
         return _blocked_swiglu(rows, expert, w_gate, w_up, w_down)
     n_exp = w_gate.shape[0]
     order = jnp.argsort(expert, stable=True)

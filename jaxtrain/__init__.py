@@ -14,13 +14,14 @@ _API = {"fit": ("jaxtrain.train.fit", "fit"), "setup": ("jaxtrain.train.setup", 
 
 
 def _models_from_checkout() -> None:
-    """Run from a source checkout without installation (e.g. a GPU machine with no network):
-    ``jaxtrain.models`` is then the checkout's ``models/`` (installed, pyproject maps it there)."""
-    import importlib.util
+    """Imported from a source checkout, ``jaxtrain.models`` (and the other folders pyproject maps into
+    the package) are that checkout's: also without installation (a GPU machine with no network),
+    and also when an editable install of another checkout is on the path (its finder runs after
+    the path search this extends). An installed package has no pyproject.toml beside it."""
     import os
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if os.path.isfile(os.path.join(root, "models", "__init__.py")) and importlib.util.find_spec(
-            "jaxtrain.models") is None:
+    if os.path.isfile(os.path.join(root, "models", "__init__.py")) and os.path.isfile(
+            os.path.join(root, "pyproject.toml")) and root not in __path__:  # noqa: F821
         __path__.append(root)  # noqa: F821 - the package's own search path
 
 

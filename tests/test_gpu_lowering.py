@@ -43,3 +43,19 @@ def test_train_steps_lower_for_cuda(config, overrides, expect):
         text = step.inner.trace(s.abstract_state(), s.abstract_batch(), step.hparams).lower(
             lowering_platforms=("cuda",)).as_text()
     assert expect in text and "__gpu$xla.gpu.triton" in text
+
+
+def test_the_expert_parallel_moe_step_lowers_for_cuda_with_ragged_all_to_all():
+    """On GPU the dropless exchange is jax.lax.ragged_all_to_all (CPU emulates it densely), and its
+    transpose in the backward pass lowers too."""
+    from jaxtrain import config as cfglib
+    from jaxtrain.kernels.target import lowering_for
+    from jaxtrain.train import setup
+    cfg = cfglib.load("moe_shakespeare", ["data.path=stdlib", "data.tokenizer=byte", "sharding.rules=ep",
+                                          "mesh.expert=8", "model.n_layers=1"])
+    s = setup(cfg, jax.devices()[:8], vocab=256)
+    step = s.fns.train_step
+    with lowering_for("gpu"):
+        text = step.inner.trace(s.abstract_state(), s.abstract_batch(), step.hparams).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert text.count("ragged_all_to_all") >= 4, text.count("ragged_all_to_all")  # 2 forward, 2 backward

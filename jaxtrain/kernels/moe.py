@@ -24,10 +24,14 @@ the ``exp`` dimension of the expert weights over mesh axes (``sharding_rules/ep.
 ``n_experts / ep`` experts' weights (never gathering the others) and its own tokens, sends
 each copy to the device that holds its expert with ``jax.lax.all_to_all``, runs its experts
 on what it receives, and sends the results back with a second all-to-all. Dropless routing
-sends fixed-size chunks of ``tokens * k`` rows to every device (the worst case, as XLA:CPU has
-no ragged all-to-all); capacity routing sends each expert's slot buffer. The ``mlp`` dimension
-may be split over other axes (``tensor``): each device then holds a slice of every local
-expert's hidden units and the outputs are summed over those axes. Model code never sees a
+sends each device exactly the copies for its experts (``jax.lax.ragged_all_to_all``) into a
+receive buffer sized for the worst case (every copy of every device), and the grouped matmul
+computes only the rows received. XLA:CPU has no ragged all-to-all: there it is emulated with a
+dense all-to-all of chunks padded to the worst case, and the blocked matmul computes the whole
+buffer (``ep`` x the bytes and FLOPs; correct, for tests and small runs). Capacity routing sends
+each expert's slot buffers. The ``mlp`` dimension may be split over other axes (``tensor``):
+each device then holds a slice of every local expert's hidden units and the outputs are summed
+over those axes. Model code never sees a
 mesh: it calls :func:`routed_experts`, which reads the active rules.
 """
 from __future__ import annotations
@@ -98,26 +102,57 @@ def _blocked_swiglu(rows: jax.Array, expert: jax.Array, w_gate, w_up, w_down) ->
     return jnp.zeros((m, d), out.dtype).at[order].set(out)
 
 
+def _ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis):
+    """``jax.lax.ragged_all_to_all`` on GPU and TPU; on CPU (which lacks it) the same result from a dense
+    all-to-all of each destination's rows padded to ``operand``'s length.
+
+    Chunk j of ``operand`` (rows ``input_offsets[j]`` .. ``+ send_sizes[j]``) lands in device j's
+    ``output`` at its ``output_offsets[j]``; ``recv_sizes[i]`` is the row count device i sends here.
+    """
+    if target.backend() != "cpu":
+        return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                                         axis_name=axis)
+    ep, m = send_sizes.shape[0], operand.shape[0]
+    row = jnp.arange(m)
+    src = jnp.clip(input_offsets[:, None] + row, 0, m - 1)  # [ep, m]
+    tail = (1,) * (operand.ndim - 1)
+    chunks = jnp.where((row < send_sizes[:, None]).reshape(ep, m, *tail), operand[src], 0)
+    recv = jax.lax.all_to_all(chunks, axis, 0, 0, tiled=True)  # [ep (source), m, ...]
+    at = jax.lax.all_to_all(output_offsets, axis, 0, 0, tiled=True)  # where each source's chunk goes here
+    dst = jnp.where(row < recv_sizes[:, None], at[:, None] + row, output.shape[0])  # past the end: dropped
+    return output.at[dst.reshape(-1)].set(recv.reshape(ep * m, *operand.shape[1:]), mode="drop")
+
+
 def _dropless(x2, idx, w_gate, w_up, w_down, axis, ep: int) -> jax.Array:
-    """x2 [n, embed], idx [n, k] (global expert ids) -> expert outputs per copy [n, k, embed]."""
+    """x2 [n, embed], idx [n, k] (global expert ids) -> expert outputs per copy [n, k, embed].
+
+    With experts on ``ep`` devices: the copies, sorted by destination device, go out in one ragged
+    all-to-all (each device's receive buffer holds the worst case, every copy of every device:
+    ``ep * n * k`` rows, of which only the received ones are computed by the grouped matmul on
+    GPU/TPU), and the results come back the same way.
+    """
     n, k = idx.shape
     m, e = n * k, idx.reshape(-1)
     tok = jnp.arange(m) // k
     if ep == 1:
         return _grouped_swiglu(x2[tok], e, w_gate, w_up, w_down).reshape(n, k, -1)
     e_loc = w_gate.shape[0]  # experts on this device
-    dest, local = e // e_loc, e % e_loc
-    order = jnp.argsort(dest, stable=True)
-    count = jnp.bincount(dest, length=ep)
-    dest_s = dest[order]
-    pos = jnp.arange(m) - (jnp.cumsum(count) - count)[dest_s]  # row within its destination's chunk
-    send = jnp.zeros((ep, m, x2.shape[1]), x2.dtype).at[dest_s, pos].set(x2[tok[order]])
-    send_e = jnp.full((ep, m), e_loc, jnp.int32).at[dest_s, pos].set(local[order])
-    recv = jax.lax.all_to_all(send, axis, 0, 0, tiled=True)  # [ep (source), m, embed]
-    recv_e = jax.lax.all_to_all(send_e, axis, 0, 0, tiled=True)
-    out = _grouped_swiglu(recv.reshape(ep * m, -1), recv_e.reshape(-1), w_gate, w_up, w_down)
-    back = jax.lax.all_to_all(out.reshape(ep, m, -1), axis, 0, 0, tiled=True)  # [ep (dest), m, embed]
-    return jnp.zeros((m, x2.shape[1]), out.dtype).at[order].set(back[dest_s, pos]).reshape(n, k, -1)
+    dest = e // e_loc
+    order = jnp.argsort(dest, stable=True)  # copies grouped by destination device
+    sizes = jnp.bincount(dest, length=ep).astype(jnp.int32)
+    in_off = jnp.cumsum(sizes) - sizes  # where each destination's rows start here
+    recv_sizes = jax.lax.all_to_all(sizes, axis, 0, 0, tiled=True)  # rows each source sends here
+    recv_off = jnp.cumsum(recv_sizes) - recv_sizes  # where each source's rows start in the receive buffer
+    out_off = jax.lax.all_to_all(recv_off, axis, 0, 0, tiled=True)  # where my rows start at each destination
+    send = lambda rows, fill: _ragged_all_to_all(  # noqa: E731
+        rows, jnp.full((ep * m, *rows.shape[1:]), fill, rows.dtype), in_off, sizes, out_off, recv_sizes, axis)
+    rows = send(x2[tok[order]], 0)  # [ep * m, embed]
+    expert = send((e % e_loc)[order][:, None].astype(jnp.int32), e_loc)[:, 0]  # e_loc: an empty row
+    out = _grouped_swiglu(rows, expert, w_gate, w_up, w_down)
+    # Back: each source's rows from where they landed here to where they left it.
+    back = _ragged_all_to_all(out, jnp.zeros((m, out.shape[1]), out.dtype), recv_off, recv_sizes,
+                              jax.lax.all_to_all(in_off, axis, 0, 0, tiled=True), sizes, axis)
+    return jnp.zeros_like(back).at[order].set(back).reshape(n, k, -1)
 
 
 def _capacity(x, idx, slots, capacity: int, w_gate, w_up, w_down, axis, ep: int) -> jax.Array:
@@ -176,6 +211,30 @@ def top_k(probs: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
                          )(probs)
 
 
+def expert_layout(rules, mesh_shape, w_shape, x_shape):
+    """(exp axes, mlp axes, (batch axes or None, length axes or None)) of the experts under ``rules``.
+
+    Mesh axes of size 1 are left out (they split nothing). ``mesh_shape``: axis -> size;
+    ``w_shape``: [exp, embed, mlp]; ``x_shape``: [batch, length, embed].
+    Raises ShardingError as :func:`routed_experts` documents.
+    """
+    sized = type("Sizes", (), {"shape": dict(mesh_shape)})  # what Rules.spec reads of a mesh
+    big = lambda entry: tuple(a for a in _axes(entry) if mesh_shape[a] > 1)  # noqa: E731
+    w_spec = rules.spec("moe expert weights", ("exp", "embed", "mlp"), w_shape, sized)
+    exp_axes, mlp_axes = big(w_spec[0]), big(w_spec[2])
+    tok_spec = rules.spec("moe tokens", ("batch", "length", "embed"), x_shape, sized)
+    tok_axes = big(tok_spec[0]) + big(tok_spec[1])
+    clash = [a for a in mlp_axes if a in tok_axes]
+    if clash:
+        raise ShardingError(f"moe expert weights: dimension 2 ('mlp') uses mesh axis '{clash[0]}', which also "
+                            f"splits the tokens ('batch'/'length') in rule set '{rules.name}'")
+    lone = [a for a in exp_axes if a not in tok_axes]
+    if lone:  # each device must send its own tokens: tokens copied over an expert axis would be sent twice
+        raise ShardingError(f"moe expert weights: dimension 0 ('exp') uses mesh axis '{lone[0]}', which does not "
+                            f"split the tokens in rule set '{rules.name}' (add it to the 'batch' rule)")
+    return exp_axes, mlp_axes, (big(tok_spec[0]) or None, big(tok_spec[1]) or None)
+
+
 def routed_experts(x: jax.Array, idx: jax.Array, combine: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                    w_down: jax.Array, slots: Optional[jax.Array] = None,
                    capacity: Optional[int] = None) -> jax.Array:
@@ -200,21 +259,9 @@ def routed_experts(x: jax.Array, idx: jax.Array, combine: jax.Array, w_gate: jax
     if active is None:
         return _local(x, idx, combine, slots, w_gate, w_up, w_down, axis=None, ep=1, mlp_axes=(), **fn)
     rules, mesh = active
-    w_spec = rules.spec("moe expert weights", ("exp", "embed", "mlp"), w_gate.shape, mesh)
-    big = lambda entry: tuple(a for a in _axes(entry) if mesh.shape[a] > 1)  # noqa: E731  (size-1 axes: no-ops)
-    exp_axes, mlp_axes = big(w_spec[0]), big(w_spec[2])
-    tok_spec = rules.spec("moe tokens", ("batch", "length", "embed"), x.shape, mesh)
-    tok_axes = big(tok_spec[0]) + big(tok_spec[1])
-    clash = [a for a in mlp_axes if a in tok_axes]
-    if clash:
-        raise ShardingError(f"moe expert weights: dimension 2 ('mlp') uses mesh axis '{clash[0]}', which also "
-                            f"splits the tokens ('batch'/'length') in rule set '{rules.name}'")
-    lone = [a for a in exp_axes if a not in tok_axes]
-    if lone:  # each device must send its own tokens: tokens copied over an expert axis would be sent twice
-        raise ShardingError(f"moe expert weights: dimension 0 ('exp') uses mesh axis '{lone[0]}', which does not "
-                            f"split the tokens in rule set '{rules.name}' (add it to the 'batch' rule)")
+    exp_axes, mlp_axes, tok_entries = expert_layout(rules, mesh.shape, w_gate.shape, x.shape)
     ep = math.prod(mesh.shape[a] for a in exp_axes)
-    t_spec = P(big(tok_spec[0]) or None, big(tok_spec[1]) or None, None)
+    t_spec = P(*tok_entries, None)
     e_entry, m_entry = exp_axes or None, mlp_axes or None
     win, wout = P(e_entry, None, m_entry), P(e_entry, m_entry, None)
     slot_arg = jnp.zeros(idx.shape, jnp.int32) if slots is None else slots

@@ -1,8 +1,9 @@
 """``model:`` keys of the mixtral family (``model.family: mixtral``): a Llama with sparse MoE MLPs."""
 from __future__ import annotations
 
+import logging
 import math
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, Optional
 
 from jaxtrain.config.checks import positive
 from jaxtrain.config.schema import ConfigError
@@ -35,11 +36,27 @@ class MixtralConfig(LlamaConfig):
         positive("model.top_k", self.top_k)
         if self.top_k > self.n_experts:
             raise ConfigError(f"model.top_k: {self.top_k} is more than model.n_experts={self.n_experts}")
-        if not self.capacity_factor > 0:
-            raise ConfigError(f"model.capacity_factor: must be > 0, got {self.capacity_factor}")
+        if not (self.capacity_factor > 0 and math.isfinite(self.capacity_factor)):
+            raise ConfigError(f"model.capacity_factor: must be a finite number > 0, got {self.capacity_factor}")
         for key in ("aux_loss_weight", "z_loss_weight"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"model.{key}: must be >= 0, got {getattr(self, key)}")
+
+    def check_against_mesh(self, cfg, axis_sizes: dict[str, int], platform: Optional[str]) -> None:
+        """The llama checks, then the experts' layout under the rule set, before anything is compiled
+        or written. Raises ShardingError (``jaxtrain.kernels.moe.expert_layout``); notes an
+        ``expert`` axis that does not split the experts."""
+        super().check_against_mesh(cfg, axis_sizes, platform)
+        from jaxtrain.kernels.moe import expert_layout
+        from jaxtrain.parallel.rules import Rules
+        rules = Rules.from_config(cfg.sharding)
+        tokens = (math.prod(axis_sizes.values()), cfg.data.seq_len, self.d_model)
+        exp_axes, _, _ = expert_layout(rules, axis_sizes, (self.n_experts, self.d_model, self.d_ff), tokens)
+        if axis_sizes.get("expert", 1) > 1 and "expert" not in exp_axes:
+            logging.getLogger("jaxtrain").warning(
+                "mesh.expert=%d, but rule set '%s' does not split the experts over it: every device holds all "
+                "%d experts and 'expert' only splits the batch (sharding.rules=ep splits the experts)",
+                axis_sizes["expert"], rules.name, self.n_experts)
 
     def capacity(self, seq_len: int) -> int:
         """Slots per expert and sequence under ``routing: capacity`` (GShard's expert capacity)."""

@@ -34,7 +34,7 @@ MATRIX = {  # rule set: mesh (data, fsdp, tensor, sequence, expert)
     "tp": (2, 1, 4, 1, 1),
     "fsdp_tp": (2, 2, 2, 1, 1),
     "sp": (2, 1, 1, 4, 1),
-    "ep": (2, 2, 1, 1, 2),
+    # ep (expert parallelism) is checked with the MoE family it exists for: tests/test_moe_parallel.py.
 }
 
 

@@ -163,6 +163,9 @@ def write_weights(tensors: dict, out_dir: Path, max_shard_bytes: int, metadata: 
     for file, names in layout.items():
         tmp = out_dir / f".{file}.tmp"
         save_file({n: tensors[n] for n in names}, str(tmp), metadata=metadata)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # safetensors writes 0600; exports are meant to be shared like any file
         os.replace(tmp, out_dir / file)
         written.append(file)
     if len(layout) > 1:

@@ -185,15 +185,17 @@ class Block(nnx.Module):
 class Llama(nnx.Module):
     """Decoder-only LM. tokens [batch, length] int32 -> logits [batch, length, vocab] float32."""
 
+    block_type = Block  # the decoder block (the mixtral family swaps in its MoE block)
+
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         if cfg.vocab_size < 1:
-            raise ValueError(f"Llama needs a resolved vocab_size, got {cfg.vocab_size}")
+            raise ValueError(f"{type(self).__name__} needs a resolved vocab_size, got {cfg.vocab_size}")
         self.cfg = cfg
         pd = cfg.param_dtype
         self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, param_dtype=jnp.dtype(pd), rngs=rngs,
                                embedding_init=nnx.initializers.normal(cfg.init_std))
         self.embed.embedding.set_metadata(axes=("vocab", "embed"))
-        blocks = [Block(cfg, rngs) for _ in range(cfg.n_layers)]
+        blocks = [self.block_type(cfg, rngs) for _ in range(cfg.n_layers)]
         self.layers = stack_blocks(blocks) if cfg.scan_layers else nnx.List(blocks)
         self.final_norm = RMSNorm(cfg)
         if not cfg.tie_embeddings:

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtrain.models.llama.model import Attention, RMSNorm, _checkpoint, project, stack_blocks
+from jaxtrain.models.llama.model import Attention, Llama, RMSNorm, _checkpoint, project
 from jaxtrain.models.mixtral.config import MixtralConfig
 from jaxtrain.models.mixtral.moe import MoE
 from jaxtrain.parallel.activations import constrain
@@ -49,23 +49,13 @@ def _run(block: Block, x, positions, segment_ids, remat: str):
     return _checkpoint(lambda h, st: nnx.merge(graphdef, st)(h, positions, segment_ids), remat)(x, state)
 
 
-class Mixtral(nnx.Module):
-    """Sparse decoder-only LM. tokens [batch, length] int32 -> logits [batch, length, vocab] float32."""
+class Mixtral(Llama):
+    """Sparse decoder-only LM. tokens [batch, length] int32 -> logits [batch, length, vocab] float32.
 
-    def __init__(self, cfg: MixtralConfig, rngs: nnx.Rngs):
-        if cfg.vocab_size < 1:
-            raise ValueError(f"Mixtral needs a resolved vocab_size, got {cfg.vocab_size}")
-        self.cfg = cfg
-        pd = cfg.param_dtype
-        self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, param_dtype=jnp.dtype(pd), rngs=rngs,
-                               embedding_init=nnx.initializers.normal(cfg.init_std))
-        self.embed.embedding.set_metadata(axes=("vocab", "embed"))
-        blocks = [Block(cfg, rngs) for _ in range(cfg.n_layers)]
-        self.layers = stack_blocks(blocks) if cfg.scan_layers else nnx.List(blocks)
-        self.final_norm = RMSNorm(cfg)
-        if not cfg.tie_embeddings:
-            self.lm_head = nnx.Param(cfg.init_std * jax.random.normal(
-                rngs.params(), (cfg.d_model, cfg.vocab_size), jnp.dtype(pd)), axes=("embed", "vocab"))
+    The llama module's embedding, final norm and head (``Llama.__init__``) around MoE blocks.
+    """
+
+    block_type = Block
 
     def __call__(self, tokens: jax.Array, positions: Optional[jax.Array] = None,
                  segment_ids: Optional[jax.Array] = None) -> jax.Array:

@@ -90,10 +90,11 @@ def test_the_step_moves_tokens_by_all_to_all_and_gathers_no_expert_weight():
     full = re.compile(r"\[8,64,64\]")
     assert not [c for c in found if c.kind in ("all-gather", "all-reduce") and full.search(c.shape)]
     moved = sum(c.bytes * c.count for c in found if c.kind == "all-to-all")
-    # Dropless: per layer, 2 all-to-alls forward (tokens out, results back) + 2 backward, of
-    # [8 devices, tokens*k, 64] float32 with one sequence of 32 tokens per device, plus the expert ids.
-    rows = 8 * 32 * 2
-    assert moved >= 2 * 4 * rows * 64 * 4, moved
+    # Dropless on CPU (the dense stand-in for the ragged all-to-all): per layer, 2 exchanges forward
+    # (tokens out, results back) and 2 backward, each [8 devices, 64 copies, 64] float32 (one
+    # sequence of 32 tokens per device, top-2), plus the expert ids and row counts (< 10%).
+    exchanges = 2 * 4 * 8 * 64 * 64 * 4
+    assert exchanges <= moved < 1.1 * exchanges, (moved, exchanges)
 
 
 @pytest.mark.parametrize("batch_rule, axis, message", [

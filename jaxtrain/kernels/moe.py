@@ -102,9 +102,9 @@ def _blocked_swiglu(rows: jax.Array, expert: jax.Array, w_gate, w_up, w_down) ->
     return jnp.zeros((m, d), out.dtype).at[order].set(out)
 
 
-def _ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis):
+def _ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis, chunk: int):
     """``jax.lax.ragged_all_to_all`` on GPU and TPU; on CPU (which lacks it) the same result from a dense
-    all-to-all of each destination's rows padded to ``operand``'s length.
+    all-to-all of each destination's rows padded to ``chunk`` rows (the most any one chunk holds).
 
     Chunk j of ``operand`` (rows ``input_offsets[j]`` .. ``+ send_sizes[j]``) lands in device j's
     ``output`` at its ``output_offsets[j]``; ``recv_sizes[i]`` is the row count device i sends here.
@@ -112,15 +112,15 @@ def _ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offset
     if target.backend() != "cpu":
         return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
                                          axis_name=axis)
-    ep, m = send_sizes.shape[0], operand.shape[0]
-    row = jnp.arange(m)
-    src = jnp.clip(input_offsets[:, None] + row, 0, m - 1)  # [ep, m]
+    ep = send_sizes.shape[0]
+    row = jnp.arange(chunk)
+    src = jnp.clip(input_offsets[:, None] + row, 0, operand.shape[0] - 1)  # [ep, chunk]
     tail = (1,) * (operand.ndim - 1)
-    chunks = jnp.where((row < send_sizes[:, None]).reshape(ep, m, *tail), operand[src], 0)
-    recv = jax.lax.all_to_all(chunks, axis, 0, 0, tiled=True)  # [ep (source), m, ...]
+    chunks = jnp.where((row < send_sizes[:, None]).reshape(ep, chunk, *tail), operand[src], 0)
+    recv = jax.lax.all_to_all(chunks, axis, 0, 0, tiled=True)  # [ep (source), chunk, ...]
     at = jax.lax.all_to_all(output_offsets, axis, 0, 0, tiled=True)  # where each source's chunk goes here
     dst = jnp.where(row < recv_sizes[:, None], at[:, None] + row, output.shape[0])  # past the end: dropped
-    return output.at[dst.reshape(-1)].set(recv.reshape(ep * m, *operand.shape[1:]), mode="drop")
+    return output.at[dst.reshape(-1)].set(recv.reshape(ep * chunk, *operand.shape[1:]), mode="drop")
 
 
 def _dropless(x2, idx, w_gate, w_up, w_down, axis, ep: int) -> jax.Array:
@@ -145,13 +145,13 @@ def _dropless(x2, idx, w_gate, w_up, w_down, axis, ep: int) -> jax.Array:
     recv_off = jnp.cumsum(recv_sizes) - recv_sizes  # where each source's rows start in the receive buffer
     out_off = jax.lax.all_to_all(recv_off, axis, 0, 0, tiled=True)  # where my rows start at each destination
     send = lambda rows, fill: _ragged_all_to_all(  # noqa: E731
-        rows, jnp.full((ep * m, *rows.shape[1:]), fill, rows.dtype), in_off, sizes, out_off, recv_sizes, axis)
+        rows, jnp.full((ep * m, *rows.shape[1:]), fill, rows.dtype), in_off, sizes, out_off, recv_sizes, axis, m)
     rows = send(x2[tok[order]], 0)  # [ep * m, embed]
     expert = send((e % e_loc)[order][:, None].astype(jnp.int32), e_loc)[:, 0]  # e_loc: an empty row
     out = _grouped_swiglu(rows, expert, w_gate, w_up, w_down)
     # Back: each source's rows from where they landed here to where they left it.
     back = _ragged_all_to_all(out, jnp.zeros((m, out.shape[1]), out.dtype), recv_off, recv_sizes,
-                              jax.lax.all_to_all(in_off, axis, 0, 0, tiled=True), sizes, axis)
+                              jax.lax.all_to_all(in_off, axis, 0, 0, tiled=True), sizes, axis, m)
     return jnp.zeros_like(back).at[order].set(back).reshape(n, k, -1)
 
 

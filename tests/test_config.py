@@ -166,7 +166,7 @@ def test_shipped_configs_validate_and_their_data_exists():
     from pathlib import Path
     repo = Path(__file__).resolve().parent.parent
     names = sorted(p.stem for p in (repo / "configs").glob("*.yaml"))
-    assert names == ["digits_mlp", "llama_1b_h200", "llama_25m", "shakespeare_char"]
+    assert names == ["digits_mlp", "llama_1b_h200", "llama_25m", "moe_shakespeare", "shakespeare_char"]
     for name in names:
         cfg = cfglib.load(name)
         if cfg.data.path != "stdlib":

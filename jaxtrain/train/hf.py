@@ -128,6 +128,9 @@ def import_config(hf_dir: Path, config: Optional[str] = None, overrides: Sequenc
         override, or an override of a model key that contradicts config.json (all of those listed).
     """
     hf_dir = Path(hf_dir)
+    # A bad key or value outside model.* is named first, as every command does, before the HF files
+    # are read (model.* keys are typed by the family, which config.json decides).
+    load(config, [o for o in overrides if not o.startswith("model.")])
     hf = read_hf_config(hf_dir)
     family = family_for(_architecture(hf))
     user = load(config, [f"model.family={family.name}", *overrides])

@@ -133,6 +133,7 @@ def test_cli_positional_config_file():
     ("optimizer.min_lr=1", "optimizer.min_lr: must be in [0, optimizer.lr=0.001], got 1.0"),
     ("optimizer.decay_steps=10", "optimizer.decay_steps: must be > optimizer.warmup_steps=20, got 10"),
     ("train.sample_tokens=-1", "train.sample_tokens: must be >= 0, got -1"),
+    ("train.gc_every=-1", "train.gc_every: must be >= 0 (0 = Python's automatic collection), got -1"),
     ("train.peak_tflops=-1", "train.peak_tflops: must be a positive number, got -1.0"),
     ("run.dir=", "run.dir: must not be empty"),
     ("train.steps=true", "train.steps: Input should be a valid integer (got True)"),

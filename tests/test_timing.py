@@ -1,5 +1,6 @@
 """Honest metrics: step time covers training only (evaluation, saves, compile and data waits reported
 apart), the logged lr is the one applied after a skipped step, and skipped steps are counted once."""
+import gc
 import json
 import time
 
@@ -52,6 +53,33 @@ def test_step_time_leaves_out_evaluation_saves_and_compile(small_cfg, monkeypatc
         assert r["step_time_s"] >= (0.05 if r["step"] == 2 else 0.1), r
     assert train[2]["compile_s"] > 0 and all("compile_s" not in train[s] for s in (4, 6, 8))
     assert train[6]["tokens_per_sec"] == pytest.approx(8 * 32 / train[6]["step_time_s"])
+
+
+class GcWatch(Hook):
+    """Records, after each step, whether automatic GC was on, and the generations collected meanwhile."""
+
+    def __init__(self, monkeypatch):
+        self.enabled, self.collected, self.now = {}, [], 0
+        collect = gc.collect
+        monkeypatch.setattr(gc, "collect", lambda generation=2: (self.collected.append((self.now, generation)),
+                                                                  collect(generation))[1])
+
+    def after_step(self, loop, step, metrics):
+        self.enabled[step], self.now = gc.isenabled(), step
+
+
+@pytest.mark.parametrize("every", [0, 3])
+def test_automatic_gc_is_off_in_the_loop_and_young_collections_run_every_gc_every_steps(small_cfg, monkeypatch,
+                                                                                       every):
+    cfg = small_cfg("train.steps=7", f"train.gc_every={every}", "mesh.data=1", "checkpoint.enabled=false",
+                    "train.sample_tokens=0")
+    watch = GcWatch(monkeypatch)
+    assert gc.isenabled()
+    fit(cfg, devices=jax.devices()[:1], quiet=True, hooks=[watch])
+    assert gc.isenabled()  # restored for the caller
+    # (hooks run in order: the GC hook's collection after step s is seen before this hook records s)
+    assert watch.enabled == {s: every == 0 for s in range(1, 8)}
+    assert [c for c in watch.collected if c[1] == 1] == ([(0, 1), (2, 1), (5, 1)] if every else [])
 
 
 def poison_first_batches(monkeypatch, n_bad: int):

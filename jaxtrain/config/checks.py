@@ -37,6 +37,8 @@ def check_consistency(cfg: "Config") -> None:
             positive(f"checkpoint.{key}", getattr(c, key))
     if c.keep_best < 0:
         raise ConfigError(f"checkpoint.keep_best: must be >= 0, got {c.keep_best}")
+    if t.gc_every < 0:
+        raise ConfigError(f"train.gc_every: must be >= 0 (0 = Python's automatic collection), got {t.gc_every}")
     if t.max_nonfinite_steps < 1:
         raise ConfigError(f"train.max_nonfinite_steps: must be >= 1, got {t.max_nonfinite_steps}")
     if t.global_batch % t.grad_accum:

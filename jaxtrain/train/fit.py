@@ -106,7 +106,7 @@ def _fit(s: Setup, run_dir: Path, out: Reporter, extra: Sequence[Hook]) -> RunRe
                      f"updates below a weight's resolution are lost")
         loop = Loop(s, state, batches, val, sinks, out, result, start, ckpt=ckpt)
         stop = H.StopOnSignal()
-        hooks = [H.CompileReport(), stop, H.NonFiniteGuard(), H.LogMetrics(peak), H.Evaluate(),
+        hooks = [H.GarbageCollection(), H.CompileReport(), stop, H.NonFiniteGuard(), H.LogMetrics(peak), H.Evaluate(),
                  *([H.Checkpointing(ckpt)] if ckpt else []), H.Profile(StepProfiler(cfg, run_dir)), H.Progress()]
         if data.tokenizer is not None:
             hooks.append(H.Sample(data.tokenizer, getattr(data, "bos_id", None)))

@@ -7,6 +7,7 @@ profiler, the progress bar; the sample comes at the end.
 """
 from __future__ import annotations
 
+import gc
 import signal
 import time
 from typing import Any, Optional
@@ -20,6 +21,29 @@ from jaxtrain.metrics.profile import StepProfiler
 from jaxtrain.train import preempt
 from jaxtrain.train.loop import Hook, Loop, stop_diverged
 from jaxtrain.train.sample import generate
+
+
+class GarbageCollection(Hook):
+    """Python's automatic garbage collection is off during the loop; a young-generation collection
+    (generations 0 and 1) runs after every ``train.gc_every``-th step is dispatched, so it overlaps
+    the device's work. An automatic full collection can stop a process for seconds when the heap is
+    large, and in a many-process run every other process waits at the next collective for it.
+    ``train.gc_every: 0`` leaves Python's automatic collection on. As torchtitan's ``training.gc_freq``.
+    """
+
+    def on_start(self, loop: Loop) -> None:
+        self.every, self.was_enabled = loop.cfg.train.gc_every, gc.isenabled()
+        if self.every:
+            gc.collect(1)
+            gc.disable()
+
+    def after_step(self, loop: Loop, step: int, metrics: dict) -> None:
+        if self.every and step % self.every == 0:
+            gc.collect(1)
+
+    def on_end(self, loop: Loop, ok: bool) -> None:
+        if self.every and self.was_enabled:
+            gc.enable()
 
 
 class CompileReport(Hook):

@@ -28,7 +28,7 @@ import jax  # noqa: E402
 
 from jaxtrain import config as cfglib  # noqa: E402
 from jaxtrain.metrics import flops  # noqa: E402
-from jaxtrain.train import setup  # noqa: E402
+from jaxtrain.train import host_memory, setup  # noqa: E402
 from jaxtrain.train.step import count_params  # noqa: E402
 
 
@@ -56,6 +56,8 @@ class JaxBench:
 
     def __init__(self, config: str | None, overrides: list[str], n_batches: int = 8):
         self.cfg = cfg = cfglib.load(config, with_corpus(overrides))
+        if cfg.run.reuse_host_memory:  # the same process settings as the trainer (jaxtrain.train.fit)
+            host_memory.reuse_freed_memory()
         s = setup(cfg, jax.devices(), load_data=True)  # the trainer's own setup, checks and data pipeline
         it = s.data.iterator(s.fns.batch_sharding)  # batch dicts on the mesh
         self.batches = [next(it) for _ in range(n_batches)]

@@ -21,7 +21,7 @@ from jaxtrain.metrics.profile import StepProfiler
 from jaxtrain.metrics.sinks import Sinks
 from jaxtrain.parallel import distributed
 from jaxtrain.parallel.mesh import describe
-from jaxtrain.train import hooks as H, preempt, rundir
+from jaxtrain.train import host_memory, hooks as H, preempt, rundir
 from jaxtrain.train.loop import Hook, Loop, RunResult, train_loop
 from jaxtrain.train.setup import Setup, setup
 from jaxtrain.train.spec import ModelSpec
@@ -49,6 +49,8 @@ def fit(cfg: Config, spec: Optional[ModelSpec] = None, data: Any = None, *,
     if spec is not None and data is None:
         raise ValueError("fit: a ModelSpec needs its data source (e.g. jaxtrain.data.ArrayData)")
     primary = distributed.is_primary()
+    if cfg.run.reuse_host_memory:
+        host_memory.reuse_freed_memory()
     out = Reporter(quiet=quiet or not cfg.run.progress, total=cfg.train.steps, silent=not primary)
     with out.status("checking the config, loading the data"):
         s = setup(cfg, devices, spec=spec, data=data, load_data=True, run_dir=Path(cfg.run.dir).expanduser())

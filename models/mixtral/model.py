@@ -36,7 +36,7 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg)
         self.moe = MoE(cfg, rngs)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: Optional[jax.Array] = None):
+    def __call__(self, x: jax.Array, positions: Optional[jax.Array], segment_ids: Optional[jax.Array] = None):
         x = x + self.attn(self.attn_norm(x), positions, segment_ids)
         y, stats = self.moe(self.mlp_norm(x))
         return constrain(x + y, "batch", "residual_length", "embed"), stats
@@ -67,8 +67,6 @@ class Mixtral(Llama):
         """tokens, positions, segment_ids [batch, length] int32 -> (logits [batch, length, vocab]
         float32, stats): 'aux', 'z', 'dropped' averaged over layers, 'frac' [layers, E]."""
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         table = constrain(self.embed.embedding[...], "vocab", None)  # gather FSDP shards before the lookup
         x = constrain(table[tokens].astype(dt), "batch", "residual_length", "embed")
         if cfg.scan_layers:

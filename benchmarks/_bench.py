@@ -37,11 +37,11 @@ def with_corpus(overrides: list[str]) -> list[str]:
 
 
 def stats(times: list[float]) -> dict:
-    """median / min / max / p10 / p90 of step times (s) and the relative spread (p90-p10)/median."""
+    """median / mean / min / max / p10 / p90 of step times (s) and the relative spread (p90-p10)/median."""
     xs = sorted(times)
     q = statistics.quantiles(xs, n=10) if len(xs) >= 2 else [xs[0]] * 9
     med = statistics.median(xs)
-    return {"steps": len(xs), "median_s": med, "min_s": xs[0], "max_s": xs[-1], "p10_s": q[0], "p90_s": q[-1],
+    return {"steps": len(xs), "median_s": med, "mean_s": statistics.fmean(xs), "min_s": xs[0], "max_s": xs[-1], "p10_s": q[0], "p90_s": q[-1],
             "spread": (q[-1] - q[0]) / med if med else None}
 
 

@@ -26,6 +26,9 @@ def test_tokenizers_round_trip():
     char = CharTokenizer.build("abc")
     assert list(char.encode("cab?")) == [2, 0, 1, 3]  # unseen '?' -> <unk> = 3
     assert CharTokenizer(char.to_json()["chars"]).encode("ba").tolist() == [1, 0]
+    # unseen characters (also above the vocabulary's code points, and astral ones) are <unk>
+    assert char.encode("c\u00e9ab\U0001F600z").tolist() == [2, 3, 0, 1, 3, 3] and char.encode("").tolist() == []
+    assert CharTokenizer.build("z\U0001F600").encode(b"\xf0\x9f\x98\x80z").tolist() == [1, 0]
 
 
 def test_saved_tokenizer_mismatch_is_named_error(small_cfg):

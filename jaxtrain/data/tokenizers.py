@@ -78,8 +78,15 @@ class CharTokenizer:
     def encode(self, text: Union[str, bytes]) -> np.ndarray:
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
-        index, unk = self._index, self.unk
-        return np.fromiter((index.get(c, unk) for c in text), dtype=np.int32, count=len(text))
+        # One table lookup per code point (a Python loop over the characters took 0.3 s per MB).
+        codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+        if not codes.size:
+            return np.zeros(0, np.int32)
+        table = np.full(int(codes.max()) + 1, self.unk, np.int32)
+        for c, i in self._index.items():
+            if len(c) == 1 and ord(c) < table.size:
+                table[ord(c)] = i
+        return table[codes]
 
     def decode(self, ids) -> str:
         return "".join(self.chars[i] if 0 <= i < len(self.chars) else "\ufffd" for i in map(int, ids))

@@ -28,7 +28,8 @@ from pathlib import Path
 
 from _bench import REPO, append_result_row, commit, default_corpus, hardware
 
-HEADER = "| date (UTC) | hardware | commit | config | steps | trainer ms/step | bare step ms | trainer / bare | rounds | load |"
+HEADER = ("| date (UTC) | hardware | commit | config | steps | trainer ms/step | bare step ms | trainer / bare | "
+          "rounds | load |")
 INTRO = ("Rows below are appended by `python benchmarks/loop_overhead.py --write-results`: the trainer's "
          "logged `step_time_s` (mean over its rows after the first) against `benchmarks/step.py`'s bare "
          "compiled step (mean), same config, run alternately; the ratio is the median of the per-round ratios.")

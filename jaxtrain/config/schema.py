@@ -161,7 +161,7 @@ class TrainConfig(_Section):
     sample_temperature: float = 0.8
     peak_tflops: Optional[float] = None  # per-device peak override for MFU
     max_nonfinite_steps: int = 10  # stop after this many skipped (non-finite) steps in a row
-    gc_every: int = 50  # Python GC: automatic collection off in the loop, a gen-1 collection every N steps; 0: automatic
+    gc_every: int = 50  # Python GC: automatic off in the loop, a gen-1 collection every N steps; 0: automatic
 
 
 class CheckpointConfig(_Section):

@@ -1,6 +1,7 @@
 """The loop's hooks: each one concern of a run that is not the train step itself.
 
-``jaxtrain.train.fit`` runs them in this order after every step: a stop request (which
+``jaxtrain.train.fit`` runs them in this order after every step: the young-generation garbage
+collection (every ``train.gc_every`` steps), a stop request (which
 makes this the last step), the non-finite guard (which may end the run), the metrics row,
 evaluation, checkpointing (which may need that evaluation, and commits before a stop), the
 profiler, the progress bar; the sample comes at the end.

@@ -80,3 +80,4 @@ class Family:
     logical_axes: tuple[str, ...]  # every logical name its parameters and activations use
     loss: LossFn = causal_lm_loss
     hf: Optional[HFConverter] = None
+    eval_loss: Optional[str] = None  # the aux metric validation reports as its loss (see ModelSpec)

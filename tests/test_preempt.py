@@ -27,8 +27,8 @@ DEADLINE_S = 240  # generous: compiling on 2 busy cores can take a minute
 class Child:
     """A trainer subprocess whose merged stdout/stderr a thread collects, so reads can time out."""
 
-    def __init__(self, cmd):
-        self.proc = subprocess.Popen(cmd, env=crash_trials.environment(), cwd=REPO, stdout=subprocess.PIPE,
+    def __init__(self, cmd, env=None):
+        self.proc = subprocess.Popen(cmd, env=env or crash_trials.environment(), cwd=REPO, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
         self.lines, self._new = [], queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)

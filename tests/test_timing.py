@@ -22,7 +22,7 @@ class Slow(Hook):
         self.data_s, self.eval_s = data_s, eval_s
 
     def on_start(self, loop):
-        batches, eval_step = loop.batches, loop.setup.fns.eval_step
+        batches, evaluate = loop.batches, loop.setup.fns.evaluate
 
         class Waiting:
             def __next__(_):
@@ -32,7 +32,7 @@ class Slow(Hook):
             def get_state(_):
                 return batches.get_state()
         loop.batches = Waiting()
-        loop.setup.fns.eval_step = lambda params, b: (time.sleep(self.eval_s), eval_step(params, b))[1]
+        loop.setup.fns.evaluate = lambda params, val: (time.sleep(self.eval_s * loop.n_val), evaluate(params, val))[1]
 
 
 def test_step_time_leaves_out_evaluation_saves_and_compile(small_cfg, monkeypatch):

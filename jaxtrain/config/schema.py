@@ -162,6 +162,9 @@ class TrainConfig(_Section):
     peak_tflops: Optional[float] = None  # per-device peak override for MFU
     max_nonfinite_steps: int = 10  # stop after this many skipped (non-finite) steps in a row
     gc_every: int = 50  # Python GC: automatic off in the loop, a gen-1 collection every N steps; 0: automatic
+    # A train step making no progress this long ends the run (exit 5, every thread's stack in the run dir);
+    # an evaluation gets eval_batches / grad_accum times as long. null: 20x the slowest step, at least 300 s.
+    hang_timeout_s: Optional[float] = None
 
 
 class CheckpointConfig(_Section):

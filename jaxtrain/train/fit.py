@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
 from jaxtrain.checkpoint.checkpointer import Checkpointer, CheckpointError, CorruptCheckpointError
 from jaxtrain.config import Config
@@ -21,6 +21,7 @@ from jaxtrain.metrics.profile import StepProfiler
 from jaxtrain.metrics.sinks import Sinks
 from jaxtrain.parallel import distributed
 from jaxtrain.parallel.mesh import describe
+from jaxtrain.runtime.watchdog import Watchdog
 from jaxtrain.train import host_memory, hooks as H, preempt, rundir
 from jaxtrain.train.loop import Hook, Loop, RunResult, train_loop
 from jaxtrain.train.setup import Setup, setup
@@ -96,17 +97,15 @@ def _fit(s: Setup, run_dir: Path, out: Reporter, extra: Sequence[Hook]) -> RunRe
         if start >= cfg.train.steps:
             out.info(f"checkpoint step {start} >= train.steps={cfg.train.steps}: nothing to train "
                      f"(raise train.steps to continue)")
-        # One device array per validation batch, put once: slicing a stacked one costs a dispatch per eval.
-        micro = NamedSharding(s.mesh, P(*s.fns.batch_sharding.spec[1:]))
-        n_val = next(iter(data.val.values())).shape[0]
-        val = [jax.device_put({k: v[i] for k, v in data.val.items()}, micro) for i in range(n_val)]
+        val = put_validation(data.val, s.fns.batch_sharding)
         peak, peak_src = flops.total_peak_flops(cfg, s.devices)
         out.info(describe_run(s, state, peak, peak_src))
         if s.fns.low_precision:
             out.info(f"[yellow]warning:[/] optimizer.master_weights=false: {len(s.fns.low_precision)} low-precision "
                      f"parameters (e.g. {s.fns.low_precision[0]}) and their Adam moments are updated in place; "
                      f"updates below a weight's resolution are lost")
-        loop = Loop(s, state, batches, val, sinks, out, result, start, ckpt=ckpt)
+        watch = Watchdog(cfg.train.hang_timeout_s, run_dir, jax.process_index())
+        loop = Loop(s, state, batches, val, sinks, out, result, start, ckpt=ckpt, watch=watch)
         stop = H.StopOnSignal()
         hooks = [H.GarbageCollection(), H.CompileReport(), stop, H.NonFiniteGuard(), H.LogMetrics(peak), H.Evaluate(),
                  *([H.Checkpointing(ckpt)] if ckpt else []), H.Profile(StepProfiler(cfg, run_dir)), H.Progress()]
@@ -118,9 +117,19 @@ def _fit(s: Setup, run_dir: Path, out: Reporter, extra: Sequence[Hook]) -> RunRe
             ok = True
         finally:
             stop.release(ok)
+            watch.close()
     finally:
         sinks.close()
     return result
+
+
+def put_validation(val: dict, sharding: NamedSharding) -> dict:
+    """The validation batches ``{field: [n_batches, micro, ...]}`` on the mesh, put once.
+
+    Every process holds the same host arrays and builds its own devices' shards from them
+    (``make_array_from_callback``): nothing is sent between processes, however many there are.
+    """
+    return {k: jax.make_array_from_callback(v.shape, sharding, lambda index, v=v: v[index]) for k, v in val.items()}
 
 
 def resume(s: Setup, ckpt: Optional[Checkpointer], batches, run_dir: Path, out: Reporter) -> dict:

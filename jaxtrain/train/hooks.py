@@ -71,7 +71,8 @@ class StopOnSignal(Hook):
 
     def on_start(self, loop: Loop) -> None:
         self.loop = loop
-        self.signals = preempt.Preemption(loop.cfg.checkpoint.grace_period_s).__enter__()
+        waiting_for = loop.watch.waiting_for if loop.watch is not None else None
+        self.signals = preempt.Preemption(loop.cfg.checkpoint.grace_period_s, waiting_for=waiting_for).__enter__()
         preempt.startup_over()  # after: no moment without a handler that stops cleanly
         self.agreement = preempt.StopAgreement(loop.setup.mesh.devices) if jax.process_count() > 1 else None
 
@@ -79,7 +80,9 @@ class StopOnSignal(Hook):
         if self.agreement is None:
             signum = self.signals.signum
         elif step % loop.cfg.distributed.stop_check_every == 0 and step < loop.cfg.train.steps:
+            work = loop.begin("the stop agreement (a collective of every process)", step)
             signum = self.agreement.exchange(self.signals.signum)
+            work.until(self.agreement.pending)
         else:
             return
         if signum:
@@ -195,7 +198,7 @@ class Evaluate(Hook):
             return
         last = loop.last_eval or loop.evaluate(loop.start, record=False)  # nothing trained: evaluate as is
         loop.result.val_loss = last["val_loss"]
-        n = len(loop.val)
+        n = loop.n_val
         loop.out.info(f"validation loss {loop.result.val_loss:.4f} (mean over {n} batches)")
 
 
@@ -222,7 +225,9 @@ class Checkpointing(Hook):
             ckpt.save(step, loop.state, loop.batches.get_state(), metrics_now if at_step else {})
         ckpt.poll()
         if loop.stopping:  # let the save commit before the process exits
+            work = loop.begin("the checkpoint save to commit", step, scale=None)  # bounded by save_timeout_s
             ckpt.wait()
+            work.end()
             loop.committed = ckpt.latest_step()
         blocked = time.perf_counter() - t0
         loop.paused_s += blocked
@@ -285,8 +290,10 @@ class Sample(Hook):
         if self.bos_id is not None:
             prompt = np.concatenate([[self.bos_id], prompt]).astype(np.int32)
         unk = getattr(tok, "unk", None)
+        work = loop.begin("the sample", scale=max(1.0, t.sample_tokens / 8))
         ids = generate(loop.setup.fns.apply, loop.state["params"], prompt, t.sample_tokens, loop.cfg.data.seq_len,
                        t.sample_temperature, t.seed, banned=() if unk is None else (unk,),
                        vocab_limit=tok.vocab_size)
+        work.end()
         loop.result.sample = tok.decode(ids)
         loop.out.text("sample", loop.result.sample)

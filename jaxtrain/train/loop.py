@@ -20,6 +20,11 @@ from jaxtrain.metrics.sinks import Sinks
 from jaxtrain.train.setup import Setup
 
 
+# Train steps dispatched but not finished: XLA:CPU deadlocks on ~100 unread multi-device programs in
+# flight, and more than two buys no overlap that two do not.
+MAX_IN_FLIGHT = 2
+
+
 class NonFiniteError(JaxtrainError):
     """The run diverged: ``train.max_nonfinite_steps`` steps in a row had a non-finite loss or
     gradient, every step of the run was skipped, or the validation loss is not finite."""
@@ -64,7 +69,7 @@ class Loop:
     setup: Setup
     state: dict
     batches: Iterator
-    val: list  # validation batches, each {field: [micro, ...]} on the mesh
+    val: dict  # the validation batches {field: [n_batches, micro, ...]} on the mesh
     sinks: Sinks
     out: Reporter
     result: RunResult
@@ -80,6 +85,16 @@ class Loop:
     paused_s: float = 0.0
     checkpoint_block_s: float = 0.0
     ckpt: Any = None  # the run's Checkpointer (None: checkpoint.enabled=false)
+    watch: Any = None  # the hang watchdog (jaxtrain.runtime.watchdog.Watchdog); None: unwatched
+
+    def begin(self, what: str, step: int = -1, scale: Optional[float] = 1.0):
+        """Announces device work to the hang watchdog (:meth:`Watchdog.begin`)."""
+        return self.watch.begin(what, step, scale) if self.watch is not None else _Unwatched()
+
+    @property
+    def n_val(self) -> int:
+        """The number of validation batches."""
+        return next(iter(self.val.values())).shape[0]
 
     @property
     def cfg(self):
@@ -104,11 +119,13 @@ class Loop:
         """
         jax.block_until_ready(self.state)  # the steps in flight are training time, not evaluation
         t0 = time.perf_counter()
-        params, eval_step = self.state["params"], self.setup.fns.eval_step
-        outs = jax.device_get([eval_step(params, batch) for batch in self.val])
-        w = np.asarray([o.pop("weight") for o in outs], np.float64)
-        keys = ["loss", *sorted(k for k in outs[0] if k != "loss")]
-        row = {f"val_{k}": float(np.average([o[k] for o in outs], weights=w)) for k in keys}
+        work = self.begin("the evaluation", step, scale=max(1.0, self.n_val / self.cfg.train.grad_accum))
+        outs = self.setup.fns.evaluate(self.state["params"], self.val)  # one program
+        work.until(outs["loss"])
+        outs = {k: np.asarray(v, np.float64) for k, v in jax.device_get(outs).items()}
+        w = outs.pop("weight")
+        keys = ["loss", *sorted(k for k in outs if k != "loss")]
+        row = {f"val_{k}": float(np.average(outs[k], weights=w)) for k in keys}
         row["eval_time_s"] = time.perf_counter() - t0
         self.paused_s += row["eval_time_s"]
         if record:
@@ -117,6 +134,16 @@ class Loop:
         if not np.isfinite(row["val_loss"]):
             stop_diverged(self.ckpt, f"the validation loss is {row['val_loss']} at step {step}: the run diverged")
         return row
+
+
+class _Unwatched:
+    """What :meth:`Loop.begin` returns without a watchdog."""
+
+    def until(self, array: Any) -> Any:
+        return array
+
+    def end(self) -> None:
+        pass
 
 
 class Hook:
@@ -157,7 +184,11 @@ def train_loop(loop: Loop, hooks: Sequence[Hook]) -> None:
                     hook.on_compile(loop, step_fn, loop.result.compile_s)
             for hook in hooks:
                 hook.before_step(loop, step)
+            if loop.watch is not None:  # at most MAX_IN_FLIGHT steps queued on the devices
+                loop.watch.wait_oldest(MAX_IN_FLIGHT - 1)
+            work = loop.begin("the train step", step)
             loop.state, metrics = step_fn(loop.state, batch)
+            work.until(metrics["loss"])
             for hook in hooks:
                 hook.after_step(loop, step, metrics)
             if loop.stopping:

@@ -16,49 +16,124 @@ import signal
 import sys
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
 GRACE_EXPIRED_EXIT = 75  # EX_TEMPFAIL: the job may be retried
 
 
-class Preemption:
-    """Context manager installing the handlers (main thread only; elsewhere it never fires)."""
+class _Wakeup:
+    """Hears SIGTERM/SIGINT even while the main thread is blocked in native code (a device program
+    that never finishes, a collective whose peers never arrive), where Python's own handler would
+    not run until that call returns: Python's C-level handler writes each signal's number into a
+    wakeup pipe (:func:`signal.set_wakeup_fd`), and a daemon thread reads it and calls the newest
+    registered callback. One pipe and thread per process; the previous wakeup fd (an event loop's)
+    is put back when the last user leaves. Main thread only (where handlers are installed)."""
 
-    def __init__(self, grace_period_s: float = 30.0, signals=(signal.SIGTERM, signal.SIGINT)):
+    def __init__(self):
+        self.users: list = []
+        self.read_fd = self.write_fd = self.previous = None
+        self.lock = threading.Lock()
+
+    def push(self, callback: Callable[[int], None]) -> bool:
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        with self.lock:
+            if self.read_fd is None:
+                self.read_fd, self.write_fd = os.pipe()
+                os.set_blocking(self.write_fd, False)
+                threading.Thread(target=self._run, name="jaxtrain-signal-listener", daemon=True).start()
+            if not self.users:
+                self.previous = signal.set_wakeup_fd(self.write_fd, warn_on_full_buffer=False)
+            self.users.append(callback)
+        return True
+
+    def pop(self, callback: Callable[[int], None]) -> None:
+        with self.lock:
+            if callback not in self.users:
+                return
+            self.users.remove(callback)
+            if not self.users and threading.current_thread() is threading.main_thread():
+                signal.set_wakeup_fd(self.previous)
+
+    def _run(self) -> None:
+        while True:
+            data = os.read(self.read_fd, 64)
+            with self.lock:
+                callback = self.users[-1] if self.users else None
+            for signum in data:
+                if callback is not None and signum in (signal.SIGTERM, signal.SIGINT):
+                    callback(signum)
+
+
+_wakeup = _Wakeup()
+
+
+class Preemption:
+    """Context manager installing the handlers (main thread only; elsewhere it never fires).
+
+    Args:
+      grace_period_s: from the first signal to exit :data:`GRACE_EXPIRED_EXIT` unless
+        :meth:`finished` (or the context's end) comes first.
+      waiting_for: says what the process waits for now (e.g. the hang watchdog's
+        ``waiting_for``), for the message when the grace period expires.
+    """
+
+    def __init__(self, grace_period_s: float = 30.0, signals=(signal.SIGTERM, signal.SIGINT),
+                 waiting_for: Optional[Callable[[], str]] = None):
         self.grace_period_s = grace_period_s
         self.signals = tuple(signals)
+        self.waiting_for = waiting_for or (lambda: "")
         self.signum: Optional[int] = None
         self.received_at: Optional[float] = None
         self._previous: dict = {}
         self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._sigints = 0  # handled by Python's handler (on the main thread)
 
     def __enter__(self) -> "Preemption":
         if threading.current_thread() is threading.main_thread():
             for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._handle)
+            _wakeup.push(self._arm)
         return self
 
     def __exit__(self, *exc) -> None:
         self._done.set()
+        _wakeup.pop(self._arm)
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
 
     def _handle(self, signum, frame) -> None:
-        if self.signum is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        if self.signum is None:
+        if signum == signal.SIGINT:
+            self._sigints += 1
+            if self._sigints > 1:  # Ctrl-C twice
+                raise KeyboardInterrupt
+        self._arm(signum)
+
+    def _arm(self, signum: int) -> None:
+        """The first signal: remember it and start the grace timer (from either thread; once)."""
+        with self._lock:
+            if self.signum is not None:
+                return
             self.signum, self.received_at = signum, time.monotonic()
-            threading.Thread(target=self._watchdog, name="jaxtrain-preempt-watchdog", daemon=True).start()
+        threading.Thread(target=self._watchdog, name="jaxtrain-preempt-watchdog", daemon=True).start()
 
     def _watchdog(self) -> None:
-        if not self._done.wait(self.grace_period_s):
-            print(f"error: checkpoint.grace_period_s={self.grace_period_s:g} s passed after "
-                  f"{signal.Signals(self.signum).name} before the checkpoint committed; exiting "
-                  f"(the latest committed checkpoint is intact)", file=sys.stderr, flush=True)
-            os._exit(GRACE_EXPIRED_EXIT)
+        if self._done.wait(self.grace_period_s):
+            return
+        waiting = self.waiting_for()
+        waiting = f"; it was waiting for {waiting}" if waiting else ""
+        print(f"error: checkpoint.grace_period_s={self.grace_period_s:g} s passed after "
+              f"{signal.Signals(self.signum).name} before the checkpoint committed{waiting}; exiting "
+              f"(the latest committed checkpoint is intact)", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        distributed = sys.modules.get("jaxtrain.parallel.distributed")
+        if distributed is not None and distributed.joined():  # the other processes end the same way
+            distributed.leave(GRACE_EXPIRED_EXIT)
+        os._exit(GRACE_EXPIRED_EXIT)
 
     @property
     def requested(self) -> bool:
@@ -104,6 +179,11 @@ class StopAgreement:
         self._pending = self._reduce(jax.make_array_from_process_local_data(self.sharding, local, (self.n,)))
         return agreed
 
+    @property
+    def pending(self):
+        """The exchange in flight (a device array), for the hang watchdog."""
+        return self._pending
+
 
 class StartupInterrupted(BaseException):
     """SIGTERM/SIGINT arrived while a training run was starting (before its first step).
@@ -121,7 +201,7 @@ class StartupInterrupted(BaseException):
 
 
 STARTUP_EXIT_AFTER_S = 3.0  # a phase that runs on (compiling, a large read) is not waited for longer
-_startup: dict = {"armed": False, "signum": None, "over": threading.Event()}
+_startup: dict = {"armed": False, "signum": None, "over": threading.Event(), "lock": threading.Lock()}
 
 
 def report_startup_stop(stop: StartupInterrupted) -> int:
@@ -144,6 +224,7 @@ def during_startup() -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, _on_startup_signal)
         _startup["armed"] = True
+        _wakeup.push(_startup_arm)  # also heard while a native call (an import, a join) blocks
 
 
 def check_startup() -> None:
@@ -151,6 +232,7 @@ def check_startup() -> None:
     if _startup["armed"] and _startup["signum"] is not None:
         _startup["armed"] = False
         _startup["over"].set()
+        _wakeup.pop(_startup_arm)
         raise StartupInterrupted(_startup["signum"])
 
 
@@ -160,6 +242,7 @@ def startup_over() -> None:
     check_startup()
     _startup["armed"] = False
     _startup["over"].set()
+    _wakeup.pop(_startup_arm)
 
 
 def _on_startup_signal(signum, frame) -> None:
@@ -167,10 +250,17 @@ def _on_startup_signal(signum, frame) -> None:
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
         raise SystemExit(128 + signum)
-    if _startup["signum"] is None:
+    _startup_arm(signum)
+
+
+def _startup_arm(signum: int) -> None:
+    """The first signal of the start-up (from the handler or the wakeup thread; once)."""
+    with _startup["lock"]:
+        if not _startup["armed"] or _startup["signum"] is not None:
+            return
         _startup["signum"] = signum
-        threading.Thread(target=_exit_if_still_starting, args=(signum,), name="jaxtrain-startup-stop",
-                         daemon=True).start()
+    threading.Thread(target=_exit_if_still_starting, args=(signum,), name="jaxtrain-startup-stop",
+                     daemon=True).start()
 
 
 def _exit_if_still_starting(signum: int) -> None:

@@ -34,6 +34,9 @@ class ModelSpec:
       example: one example's fields as ShapeDtypeStructs (no batch dims), for compiling from
         shapes alone (plan, explain); None: taken from the data's validation batches.
       logical_axes: logical names the model's activations use (the params' are read from it).
+      eval_loss: the aux metric that validation reports as its loss (``val_loss``) instead of the
+        training objective, e.g. a MoE's ``ce_loss`` without the router losses, the number to
+        compare with a dense model; None: the loss itself.
     """
 
     make: Callable[[nnx.Rngs], nnx.Module]
@@ -44,3 +47,4 @@ class ModelSpec:
     flops_per_unit: Optional[float] = None
     example: Optional[dict[str, jax.ShapeDtypeStruct]] = None
     logical_axes: tuple[str, ...] = field(default=())
+    eval_loss: Optional[str] = None

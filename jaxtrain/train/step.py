@@ -42,6 +42,7 @@ class StepFunctions:
     train_step: "TrainStep"  # (state, {field: [accum, micro, ...]}[, hparams]) -> (state, metrics)
     grads: Callable  # (params, batch) -> (loss, aux metrics, grads): the step's gradient, without the update
     eval_step: Callable  # (params, {field: [micro, ...]}) -> {'loss', 'weight', <aux metrics>}
+    evaluate: Callable  # (params, {field: [n_batches, micro, ...]}) -> {'loss', 'weight', ...: [n_batches]}
     apply: Callable  # (params, inputs) -> model(inputs), e.g. logits [batch, length, vocab] for sampling
     model_dtypes: Any  # the params' pytree of the dtypes the model declares (the stored ones may be float32)
     low_precision: list  # paths of low-precision parameters trained without float32 masters (a warning)
@@ -228,8 +229,16 @@ def build(cfg: Config, mesh: Mesh, rules: Rules, spec: ModelSpec) -> StepFunctio
     def eval_fn(params, batch):
         with activation_sharding(rules, mesh):
             loss, aux = loss_of(params, batch)
+        if spec.eval_loss is not None:  # e.g. a MoE's cross-entropy; the router losses keep their columns
+            loss = aux.pop(spec.eval_loss)
         aux.setdefault("weight", jnp.ones((), jnp.float32))
         return {"loss": loss, **aux}
+
+    def evaluate(params, batches):
+        """Every validation batch in one program (a scan): one dispatch per evaluation, so a long
+        validation set never floods the devices' queue (XLA:CPU deadlocks on ~100 unread multi-device
+        programs in flight); the per-batch values come back for the host's float64 weighted mean."""
+        return jax.lax.scan(lambda carry, b: (carry, eval_fn(params, b)), None, batches)[1]
 
     def apply(params, inputs):
         return model_of(params)(inputs)
@@ -247,6 +256,7 @@ def build(cfg: Config, mesh: Mesh, rules: Rules, spec: ModelSpec) -> StepFunctio
                              jax.device_put(h0, replicated)),
         grads=jax.jit(grads_fn, in_shardings=(param_sh, batch_sh)),
         eval_step=jax.jit(eval_fn, in_shardings=(param_sh, eval_sh), out_shardings=replicated),
+        evaluate=jax.jit(evaluate, in_shardings=(param_sh, batch_sh), out_shardings=replicated),
         # replicated output: every process can read the logits, also when a model axis spans processes
         apply=jax.jit(apply, in_shardings=(param_sh, None), out_shardings=replicated),
         model_dtypes=model_dtypes, low_precision=low_precision,

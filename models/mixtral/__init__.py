@@ -12,6 +12,6 @@ from jaxtrain.models.mixtral.loss import moe_loss
 from jaxtrain.models.mixtral.model import LOGICAL_AXES, Mixtral
 
 FAMILY = Family(name="mixtral", config=MixtralConfig, model=Mixtral, flops_per_token=flops_per_token,
-                logical_axes=LOGICAL_AXES, loss=moe_loss, hf=MixtralHF())
+                logical_axes=LOGICAL_AXES, loss=moe_loss, hf=MixtralHF(), eval_loss="ce_loss")
 
 __all__ = ["FAMILY", "Mixtral", "MixtralConfig"]

@@ -59,5 +59,6 @@ class MixtralConfig(LlamaConfig):
                 axis_sizes["expert"], rules.name, self.n_experts)
 
     def capacity(self, seq_len: int) -> int:
-        """Slots per expert and sequence under ``routing: capacity`` (GShard's expert capacity)."""
-        return max(1, math.ceil(self.capacity_factor * seq_len * self.top_k / self.n_experts))
+        """Slots per expert and sequence under ``routing: capacity`` (GShard's expert capacity), in
+        [1, seq_len]: an expert meets each token at most once, so more slots than tokens stay empty."""
+        return min(seq_len, max(1, math.ceil(self.capacity_factor * seq_len * self.top_k / self.n_experts)))

@@ -14,11 +14,13 @@ def moe_loss(model: nnx.Module, batch: dict) -> tuple[jax.Array, dict]:
     Metrics (scalars): ``ce_loss`` (the cross-entropy alone, to compare with a dense model),
     ``moe_aux_loss``, ``moe_z_loss``, ``moe_dropped_frac`` (copies past capacity), and
     ``moe_expert_frac_min`` / ``_max``: the smallest and largest share of the routed copies any
-    expert of any layer received (1/n_experts each when balanced).
+    expert of any layer received (1/n_experts each when balanced). Padding (``loss_mask`` 0) is
+    routed nowhere and left out of the router losses. The validation loss is ``ce_loss``
+    (``FAMILY.eval_loss``): the number to compare with a dense model.
     """
     cfg = model.cfg
     logits, stats = model.forward(batch["inputs"], positions=batch.get("positions"),
-                                  segment_ids=batch.get("segment_ids"))
+                                  segment_ids=batch.get("segment_ids"), mask=batch["loss_mask"])
     ce, weight = masked_cross_entropy(logits, batch["targets"], batch["loss_mask"])
     loss = ce + cfg.aux_loss_weight * stats["aux"] + cfg.z_loss_weight * stats["z"]
     return loss, {"weight": weight, "ce_loss": ce, "moe_aux_loss": stats["aux"], "moe_z_loss": stats["z"],

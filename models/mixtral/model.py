@@ -36,17 +36,18 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg)
         self.moe = MoE(cfg, rngs)
 
-    def __call__(self, x: jax.Array, positions: Optional[jax.Array], segment_ids: Optional[jax.Array] = None):
+    def __call__(self, x: jax.Array, positions: Optional[jax.Array], segment_ids: Optional[jax.Array] = None,
+                 mask: Optional[jax.Array] = None):
         x = x + self.attn(self.attn_norm(x), positions, segment_ids)
-        y, stats = self.moe(self.mlp_norm(x))
+        y, stats = self.moe(self.mlp_norm(x), mask)
         return constrain(x + y, "batch", "residual_length", "embed"), stats
 
 
-def _run(block: Block, x, positions, segment_ids, remat: str):
+def _run(block: Block, x, positions, segment_ids, mask, remat: str):
     if remat == "none":
-        return block(x, positions, segment_ids)
+        return block(x, positions, segment_ids, mask)
     graphdef, state = nnx.split(block)
-    return _checkpoint(lambda h, st: nnx.merge(graphdef, st)(h, positions, segment_ids), remat)(x, state)
+    return _checkpoint(lambda h, st: nnx.merge(graphdef, st)(h, positions, segment_ids, mask), remat)(x, state)
 
 
 class Mixtral(Llama):
@@ -63,9 +64,10 @@ class Mixtral(Llama):
         return self.forward(tokens, positions, segment_ids)[0]
 
     def forward(self, tokens: jax.Array, positions: Optional[jax.Array] = None,
-                segment_ids: Optional[jax.Array] = None) -> tuple[jax.Array, dict]:
-        """tokens, positions, segment_ids [batch, length] int32 -> (logits [batch, length, vocab]
-        float32, stats): 'aux', 'z', 'dropped' averaged over layers, 'frac' [layers, E]."""
+                segment_ids: Optional[jax.Array] = None, mask: Optional[jax.Array] = None) -> tuple[jax.Array, dict]:
+        """tokens, positions, segment_ids, mask [batch, length] int32 -> (logits [batch, length, vocab]
+        float32, stats): 'aux', 'z', 'dropped' averaged over layers, 'frac' [layers, E]. ``mask`` 0
+        marks padding, which the experts never see (None: every token is real)."""
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         table = constrain(self.embed.embedding[...], "vocab", None)  # gather FSDP shards before the lookup
         x = constrain(table[tokens].astype(dt), "batch", "residual_length", "embed")
@@ -73,13 +75,13 @@ class Mixtral(Llama):
             graphdef, state = nnx.split(self.layers)
 
             def body(h, layer_state):
-                return nnx.merge(graphdef, layer_state)(h, positions, segment_ids)
+                return nnx.merge(graphdef, layer_state)(h, positions, segment_ids, mask)
 
             x, stats = jax.lax.scan(_checkpoint(body, cfg.remat, prevent_cse=False), x, state)
         else:
             per_layer = []
             for block in self.layers:
-                x, s = _run(block, x, positions, segment_ids, cfg.remat)
+                x, s = _run(block, x, positions, segment_ids, mask, cfg.remat)
                 per_layer.append(s)
             stats = jax.tree_util.tree_map(lambda *v: jnp.stack(v), *per_layer)
         x = self.final_norm(x)

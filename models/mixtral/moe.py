@@ -16,6 +16,7 @@ Losses, over the T tokens of the batch (all positions):
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -27,24 +28,32 @@ from jaxtrain.models.mixtral.config import MixtralConfig
 from jaxtrain.parallel.activations import constrain
 
 
-def capacity_slots(idx: jax.Array, n_experts: int) -> jax.Array:
+def capacity_slots(idx: jax.Array, n_experts: int, valid: jax.Array) -> jax.Array:
     """Slot of each copy in its expert's buffer, per sequence: idx [batch, length, k] -> same, int32.
 
     Priority as in GShard: every token's first choice, in position order, before any second choice.
+    Copies of padding (``valid`` [batch, length] False) take no slot: theirs is ``length * k``,
+    past any capacity.
     """
     b, t, k = idx.shape
     order = idx.swapaxes(1, 2).reshape(b, k * t)  # choice-major
-    taken = jnp.cumsum(jax.nn.one_hot(order, n_experts, dtype=jnp.int32), axis=1) - 1  # [b, k*t, E]
-    slot = jnp.take_along_axis(taken, order[..., None], axis=-1)[..., 0]
+    real = jnp.broadcast_to(valid[:, None, :], (b, k, t)).reshape(b, k * t)
+    taken = jnp.cumsum(jax.nn.one_hot(order, n_experts, dtype=jnp.int32) * real[..., None], axis=1) - 1
+    slot = jnp.where(real, jnp.take_along_axis(taken, order[..., None], axis=-1)[..., 0], k * t)
     return slot.reshape(b, k, t).swapaxes(1, 2)
 
 
-def router_losses(logits: jax.Array, probs: jax.Array, idx: jax.Array) -> dict[str, jax.Array]:
-    """logits, probs [..., E] float32; idx [..., k] -> {'aux', 'z' (scalars), 'frac' [E]} (see module doc)."""
-    n_exp = logits.shape[-1]
-    frac = jax.nn.one_hot(idx.reshape(-1), n_exp, dtype=jnp.float32).mean(0)  # over the T*k copies
-    mean_prob = probs.reshape(-1, n_exp).mean(0)
-    z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
+def router_losses(logits: jax.Array, probs: jax.Array, idx: jax.Array,
+                  valid: Optional[jax.Array] = None) -> dict[str, jax.Array]:
+    """logits, probs [..., E] float32; idx [..., k]; valid [...] bool (padding: False; None: all real)
+    -> {'aux', 'z' (scalars), 'frac' [E]} over the real tokens only (see module doc)."""
+    n_exp, k = logits.shape[-1], idx.shape[-1]
+    w = jnp.ones(idx.shape[:-1], jnp.float32).reshape(-1) if valid is None else valid.reshape(-1).astype(jnp.float32)
+    n = jnp.maximum(w.sum(), 1.0)
+    copies = jax.nn.one_hot(idx.reshape(-1, k), n_exp, dtype=jnp.float32).sum(1)  # [T, E]
+    frac = (copies * w[:, None]).sum(0) / (n * k)  # over the T*k copies of real tokens
+    mean_prob = (probs.reshape(-1, n_exp) * w[:, None]).sum(0) / n
+    z = (jnp.square(jax.nn.logsumexp(logits, axis=-1)).reshape(-1) * w).sum() / n
     return {"aux": n_exp * jnp.sum(frac * mean_prob), "z": z, "frac": frac}
 
 
@@ -64,21 +73,27 @@ class MoE(nnx.Module):
         self.w_up = _param(rngs, (e, d, f), ("exp", "embed", "mlp"), cfg.init_std, pd)
         self.w_down = _param(rngs, (e, f, d), ("exp", "mlp", "embed"), out_std, pd)
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict]:
+    def __call__(self, x: jax.Array, mask: Optional[jax.Array] = None) -> tuple[jax.Array, dict]:
+        """``mask`` [batch, length] (0: padding; None: every token is real): padding is routed nowhere,
+        takes no capacity, is not counted as dropped and is left out of the router losses."""
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         x = constrain(x, "batch", "length", "embed")
+        valid = jnp.ones(x.shape[:2], bool) if mask is None else mask.astype(bool)
         logits = project(x.astype(jnp.float32), self.router[...].astype(jnp.float32))  # [b, t, E]
         probs = jax.nn.softmax(logits, axis=-1)
         top, idx = top_k(probs, cfg.top_k)
-        combine = top / top.sum(-1, keepdims=True)
-        stats = router_losses(logits, probs, idx)
+        combine = jnp.where(valid[..., None], top / top.sum(-1, keepdims=True), 0.0)
+        stats = router_losses(logits, probs, idx, valid)
         slots, capacity = None, None
+        real_copies = jnp.broadcast_to(valid[..., None], idx.shape)
         if cfg.routing == "capacity":
             capacity = cfg.capacity(x.shape[1])
-            slots = capacity_slots(idx, cfg.n_experts)
-            stats["dropped"] = jnp.mean((slots >= capacity).astype(jnp.float32))
+            slots = capacity_slots(idx, cfg.n_experts, valid)
+            dropped = (slots >= capacity) & real_copies
+            stats["dropped"] = dropped.sum() / jnp.maximum(real_copies.sum(), 1)
         else:
             stats["dropped"] = jnp.zeros((), jnp.float32)
+            idx = jnp.where(real_copies, idx, cfg.n_experts)  # expert E: no expert, never dispatched
         y = routed_experts(x, idx.astype(jnp.int32), combine, self.w_gate[...].astype(dt),
                            self.w_up[...].astype(dt), self.w_down[...].astype(dt), slots, capacity)
         return y, stats

@@ -1,0 +1,2 @@
+"""What a training process does around the train step itself: watching device work for hangs
+(``watchdog``)."""

@@ -1,0 +1,177 @@
+"""The hang watchdog: device work that makes no progress for too long ends the process by name.
+
+The train loop announces each piece of device work before dispatching it (a train step, an
+evaluation, a stop agreement, the sample) and hands over one of its output arrays; a thread polls
+``Array.is_ready()`` on the oldest unfinished piece. Work is queued on the devices in order, so a
+piece's own time starts when it was announced or when the one before it finished, whichever is
+later. A piece that runs longer than its limit (``train.hang_timeout_s`` times its scale) means the
+process is alive but stuck: a collective whose peers never arrive, a deadlocked runtime. JAX's own
+heartbeat cannot see that case (jax-ml/jax#38503), because every process still answers.
+
+Then the watchdog writes every thread's Python stack (:mod:`faulthandler`) to
+``<run dir>/hang_stacks.process<N>.txt`` (and stderr), prints a named error and ends the process
+with :data:`HANG_EXIT`; in a multi-process job it tells the others first, so they end the same way
+(``jaxtrain.parallel.distributed.leave``). The compile is never watched, and checkpoint saves keep
+their own bound (``checkpoint.save_timeout_s``): they are described (for the grace-period message
+of a SIGTERM) but not limited here.
+
+With ``train.hang_timeout_s: null`` the limit of one step is ``max(HANG_FLOOR_S, HANG_FACTOR x``
+the slowest step measured so far), so no healthy step reaches it.
+"""
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+HANG_EXIT = 5  # as a peer that stopped answering: the job is stuck, not the input wrong
+HANG_FLOOR_S = 300.0  # the automatic limit of one step is never below this
+HANG_FACTOR = 20.0  # ... and is this many times the slowest step measured so far
+
+
+class Work:
+    """One piece of device work the loop waits for (see :meth:`Watchdog.begin`)."""
+
+    def __init__(self, what: str, step: int, scale: Optional[float]):
+        self.what, self.step, self.scale = what, step, scale
+        self.begun = time.monotonic()
+        self.array: Any = None
+        self.ended: Optional[float] = None
+
+    def until(self, array: Any) -> Any:
+        """The work is done when ``array`` (one of its outputs) is ready; returns it."""
+        self.array = array
+        return array
+
+    def end(self) -> None:
+        """The work is done (for work without an output array to watch)."""
+        self.ended = self.ended or time.monotonic()
+
+    def done(self) -> bool:
+        if self.ended is None and self.array is not None and self.array.is_ready():
+            self.ended = time.monotonic()
+        return self.ended is not None
+
+    def describe(self, now: float, since: float) -> str:
+        at = f" at step {self.step}" if self.step >= 0 else ""
+        return f"{self.what}{at} ({now - since:.0f} s so far)"
+
+
+class Watchdog:
+    """Watches the announced device work from a daemon thread (see the module docstring).
+
+    Args:
+      limit_s: seconds one train step may take (``train.hang_timeout_s``); None: automatic.
+      run_dir: where the stacks file goes.
+      process: this process's index (the stacks file's name).
+      on_hang: called with the error message after the stacks are written; ends the process
+        (the default prints and exits :data:`HANG_EXIT`, telling a multi-process job's peers).
+    """
+
+    def __init__(self, limit_s: Optional[float], run_dir: Path, process: int = 0,
+                 on_hang: Optional[Callable[[str], None]] = None, poll_s: Optional[float] = None):
+        self.limit_s, self.run_dir, self.process = limit_s, Path(run_dir), process
+        self.on_hang = on_hang or _exit_hung
+        self.queue: deque[Work] = deque()
+        self.slowest_step = 0.0  # seconds, of the steps measured so far (the first one excluded)
+        self.measured = 0
+        self.free_since = time.monotonic()  # when the devices last finished a piece of work
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        poll = poll_s if poll_s is not None else min(1.0, (limit_s or HANG_FLOOR_S) / 20)
+        self.thread = threading.Thread(target=self._run, args=(poll,), name="jaxtrain-hang-watchdog", daemon=True)
+        self.thread.start()
+
+    def begin(self, what: str, step: int = -1, scale: Optional[float] = 1.0) -> Work:
+        """Announces device work before it is dispatched. ``scale``: its limit in steps' limits
+        (an evaluation: its batches); None: described but not limited (a save has its own bound)."""
+        work = Work(what, step, scale)
+        with self.lock:
+            self.queue.append(work)
+        return work
+
+    def limit(self, scale: float) -> float:
+        """The limit of work of ``scale`` steps, in seconds."""
+        if self.limit_s is not None:
+            return self.limit_s * scale
+        return max(HANG_FLOOR_S, HANG_FACTOR * self.slowest_step) * scale
+
+    def waiting_for(self) -> str:
+        """What the process waits for now, in words ('' when nothing): for a SIGTERM's grace message."""
+        with self.lock:
+            self._retire(time.monotonic())
+            if not self.queue:
+                return ""
+            work, now = self.queue[0], time.monotonic()
+            return work.describe(now, max(work.begun, self.free_since))
+
+    def wait_oldest(self, keep: int) -> None:
+        """Blocks until at most ``keep`` pieces of work are unfinished (bounds what is in flight)."""
+        while True:
+            with self.lock:
+                self._retire(time.monotonic())
+                pending = [w for w in self.queue if w.array is not None]
+                if len(self.queue) <= keep or not pending:
+                    return
+                oldest = pending[0].array
+            oldest.block_until_ready()
+
+    def close(self) -> None:
+        self.stop.set()
+
+    def _retire(self, now: float) -> None:
+        """Pops the finished work at the head of the queue, measuring the steps."""
+        while self.queue and self.queue[0].done():
+            work = self.queue.popleft()
+            start = max(work.begun, self.free_since)
+            if work.what == "the train step" and work.scale:
+                self.measured += 1
+                if self.measured > 1:  # the first execution may still set things up
+                    self.slowest_step = max(self.slowest_step, (work.ended - start) / work.scale)
+            self.free_since = max(self.free_since, work.ended)
+
+    def _run(self, poll: float) -> None:
+        while not self.stop.wait(poll):
+            with self.lock:
+                now = time.monotonic()
+                self._retire(now)
+                if not self.queue or self.queue[0].scale is None:
+                    continue
+                work = self.queue[0]
+                since = max(work.begun, self.free_since)
+                limit = self.limit(work.scale)
+                if now - since < limit:
+                    continue
+            self._hung(work, now - since, limit)
+            return
+
+    def _hung(self, work: Work, waited: float, limit: float) -> None:
+        path = self.run_dir / f"hang_stacks.process{self.process}.txt"
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            with open(path, "w") as f:
+                faulthandler.dump_traceback(file=f, all_threads=True)
+            where = f"Every thread's Python stack is in {path}"
+        except OSError as err:
+            where = f"The stacks could not be written to {path} ({err}); they are on stderr"
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        auto = "" if self.limit_s is not None else ", automatic: set train.hang_timeout_s to choose it"
+        at = f" at step {work.step}" if work.step >= 0 else ""
+        self.on_hang(f"train.hang_timeout_s: {work.what}{at} made no progress for {waited:.0f} s "
+                     f"(limit {limit:.0f} s{auto}); the process is alive but stuck (a collective whose peers "
+                     f"never arrive, or a deadlocked runtime). {where}. Committed checkpoints are intact; "
+                     f"rerun to resume")
+
+
+def _exit_hung(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    distributed = sys.modules.get("jaxtrain.parallel.distributed")
+    if distributed is not None and distributed.joined():  # the others stop with the same code
+        distributed.leave(HANG_EXIT)
+    os._exit(HANG_EXIT)

@@ -7,6 +7,7 @@ import re
 import signal
 import sys
 import time
+from pathlib import Path
 
 import jax
 import pytest
@@ -149,12 +150,18 @@ def test_one_process_on_8_devices_finishes_with_100_evaluation_batches(tmp_path,
 
 def test_two_processes_evaluate_500_batches_and_finish(tmp_path, corpus_path):
     """2 processes x 4 devices (data x fsdp x tensor): the evaluation that hung for ever when every batch
-    was its own dispatched program."""
+    was its own dispatched program. The validation set goes onto the mesh without an all-gather (a
+    probe reports any device_put consistency check of host data; the 8-scalar hyperparameters are
+    the one left)."""
     import multiproc as mp
     from test_multiprocess import args
     run_dir = tmp_path / "run"
     job = mp.run(2, 4, args(corpus_path, run_dir, "train.steps=2", "train.eval_every=2", "train.eval_batches=500",
-                            "train.sample_tokens=0", "checkpoint.enabled=false"), timeout=240)
+                            "train.sample_tokens=0", "checkpoint.enabled=false"), timeout=240,
+                 extra_env={"PYTHONPATH": str(Path(__file__).parent / "probes")})
     evals = [r for r in mp.rows(run_dir) if "val_loss" in r]
     assert [r["step"] for r in evals] == [2] and 0 < evals[0]["val_loss"] < 10
     assert "(mean over 500 batches)" in job.output(0)
+    for i in (0, 1):
+        gathered = [int(n) for n in re.findall(r"^probe: assert_equal all-gathers (\d+) bytes", job.output(i), re.M)]
+        assert sum(gathered) <= 64, (i, gathered)  # the validation set alone is 500 x 12 x 64 x 3 x 4 bytes

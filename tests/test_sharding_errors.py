@@ -61,6 +61,15 @@ def test_rules_candidate_naming_an_axis_twice(tmp_path):
     assert str(e.value) == "rules 'twice': logical name 'batch': candidate ['data', 'data'] names a mesh axis twice"
 
 
+def test_rules_file_with_a_logical_name_given_twice(tmp_path):
+    f = tmp_path / "dup.yaml"
+    f.write_text("rules:\n  batch: [data]\n  embed: [fsdp]\n  batch: [fsdp]\n")  # YAML would keep the last
+    with pytest.raises(ConfigError) as e:
+        Rules.load(str(f))
+    assert str(e.value) == (f"sharding.rules: {f}: line 4: duplicate key 'batch' (given twice; YAML alone would "
+                            f"silently keep the last)")
+
+
 def test_rules_file_unknown_section(tmp_path):
     f = tmp_path / "extra.yaml"
     f.write_text("rules:\n  batch: [data]\noptimiser_rules:\n  embed: [data]\n")

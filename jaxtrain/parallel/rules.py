@@ -38,7 +38,7 @@ import yaml
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxtrain.config import MESH_AXES, ConfigError, ShardingConfig, resolve_resource
-from jaxtrain.config.loading import resource_roots
+from jaxtrain.config.loading import UniqueKeyLoader, resource_roots
 from jaxtrain.errors import InputError
 
 Candidate = Optional[tuple[str, ...]]  # None = replicate explicitly
@@ -74,7 +74,12 @@ class Rules:
         """Reads ``sharding_rules/<name>.yaml`` (or a path). Raises ConfigError/ShardingError."""
         path = resolve_resource(name_or_path, "sharding_rules", "sharding.rules")
         try:
-            raw = yaml.safe_load(path.read_text())
+            raw = yaml.load(path.read_text(), Loader=UniqueKeyLoader)  # a key given twice is an error
+        except yaml.MarkedYAMLError as err:
+            if (err.problem or "").startswith("duplicate key"):
+                raise ConfigError(f"sharding.rules: {path}: line {err.problem_mark.line + 1}: {err.problem} "
+                                  f"(given twice; YAML alone would silently keep the last)") from None
+            raise ConfigError(f"sharding.rules: {path}: invalid YAML: {err}") from None
         except yaml.YAMLError as err:
             raise ConfigError(f"sharding.rules: {path}: invalid YAML: {err}") from None
         if not isinstance(raw, dict) or not isinstance(raw.get("rules"), dict):

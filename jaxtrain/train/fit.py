@@ -20,6 +20,7 @@ from jaxtrain.metrics.console import Reporter, format_flops
 from jaxtrain.metrics.profile import StepProfiler
 from jaxtrain.metrics.sinks import Sinks
 from jaxtrain.parallel import distributed
+from jaxtrain.parallel import host_data
 from jaxtrain.parallel.mesh import describe
 from jaxtrain.runtime.watchdog import Watchdog
 from jaxtrain.train import host_memory, hooks as H, preempt, rundir
@@ -126,10 +127,10 @@ def _fit(s: Setup, run_dir: Path, out: Reporter, extra: Sequence[Hook]) -> RunRe
 def put_validation(val: dict, sharding: NamedSharding) -> dict:
     """The validation batches ``{field: [n_batches, micro, ...]}`` on the mesh, put once.
 
-    Every process holds the same host arrays and builds its own devices' shards from them
-    (``make_array_from_callback``): nothing is sent between processes, however many there are.
+    Every process holds the same host arrays and cuts its own devices' shards from them
+    (:func:`jaxtrain.parallel.host_data.put`): nothing is sent between processes.
     """
-    return {k: jax.make_array_from_callback(v.shape, sharding, lambda index, v=v: v[index]) for k, v in val.items()}
+    return host_data.put(val, sharding)
 
 
 def resume(s: Setup, ckpt: Optional[Checkpointer], batches, run_dir: Path, out: Reporter) -> dict:

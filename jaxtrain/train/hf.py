@@ -32,6 +32,7 @@ from jaxtrain.config.loading import UniqueKeyLoader, resolve_resource
 from jaxtrain.data import tokenizers
 from jaxtrain.models import registry
 from jaxtrain.models.family import Family, HFConverter
+from jaxtrain.parallel import host_data
 from jaxtrain.train import lm, rundir
 from jaxtrain.train.hf_files import (CONFIG_FILE, DEFAULT_MAX_SHARD_SIZE, INDEX_FILE, WEIGHTS_FILE, load_tensors,
                                      parse_size, read_hf_config, weight_files, write_weights)
@@ -222,12 +223,12 @@ def _fresh_state(s, params: dict) -> dict:
     sh = s.fns.state_shardings
     abstract = jax.eval_shape(s.fns.init)
     params = jax.tree_util.tree_map(lambda x, a: np.asarray(x).astype(a.dtype), params, abstract["params"])
-    params = jax.device_put(params, sh["params"])
+    params = host_data.put(params, sh["params"])
     tx = optimizer(hyperparameters(s.cfg), s.fns.param_axes)
     key = jax.random.key(s.cfg.train.seed)
     state = {"params": params, "opt_state": jax.jit(tx.init, out_shardings=sh["opt_state"])(params),
-             "step": jax.device_put(np.zeros((), np.int32), sh["step"]),
-             "rng": jax.device_put(jax.random.key_data(jax.random.fold_in(key, 1)), sh["rng"])}
+             "step": host_data.put(np.zeros((), np.int32), sh["step"]),
+             "rng": host_data.put(np.asarray(jax.random.key_data(jax.random.fold_in(key, 1))), sh["rng"])}
     same = jax.tree_util.tree_structure(state) == jax.tree_util.tree_structure(abstract) and all(
         x.shape == a.shape and x.dtype == a.dtype
         for x, a in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(abstract)))

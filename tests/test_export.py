@@ -1,5 +1,8 @@
 """HF Llama safetensors export and import: names, layouts, config.json, exact round trip, no pickle."""
+import hashlib
 import json
+import struct
+import time
 from pathlib import Path
 
 import jax
@@ -162,7 +165,7 @@ def test_weight_file_problems_are_named_exit_2_and_write_nothing(tmp_path, capsy
                  {"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors",
                                  "model.norm.weight": "model-00002-of-00002.safetensors"}}),
          f"import: {d / 'a' / exportlib.INDEX_FILE} names shard files missing from '{d / 'a'}': "
-         f"model-00002-of-00002.safetensors"),
+         f"model-00002-of-00002.safetensors (the index puts 1 tensor in it: model.norm.weight)"),
         (_hf_dir(d / "b", {"model-00001-of-00001.safetensors": one},
                  {"weight_map": {"model.embed_tokens.weight": "model-00001-of-00001.safetensors",
                                  "model.norm.weight": "model-00001-of-00001.safetensors"}}),
@@ -276,6 +279,37 @@ def test_rope_scaling_keys_from_the_command_line(small_cfg):
         with pytest.raises(ConfigError) as err:
             small_cfg(override)
         assert str(err.value) == message
+
+
+def _hashes(out: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.iterdir())}
+
+
+def test_exports_of_one_step_are_byte_identical(small_cfg, tmp_path):
+    cfg = small_cfg("model.vocab_size=256", "mesh.data=1")
+    run_dir, _ = saved_run(cfg, jax.devices()[:1])
+    hashes = []
+    for out in (tmp_path / "a", tmp_path / "b"):  # two directories, a second apart: nothing of either shows
+        assert export_cli.main([str(run_dir), str(out), "--max-shard-size", "20KB"]) == 0
+        hashes.append(_hashes(out))
+        time.sleep(1.1)
+    assert len(hashes[0]) > 3 and hashes[0] == hashes[1]
+    # safetensors keeps the metadata in a HashMap (a random order per write): written sorted, first.
+    shard = sorted((tmp_path / "a").glob("model-*.safetensors"))[0].read_bytes()
+    header = json.loads(shard[8:8 + struct.unpack("<Q", shard[:8])[0]])
+    assert list(header)[0] == "__metadata__" and header["__metadata__"] == {"format": "pt", "jaxtrain_step": "3"}
+    assert list(header["__metadata__"]) == ["format", "jaxtrain_step"]
+    from jaxtrain.train.hf_files import write_weights
+    tensors = {"b": np.arange(6, dtype=np.float32).reshape(2, 3), "a": np.ones(4, jnp.bfloat16)}
+    meta = {"zeta": "1", "format": "pt", "alpha": "2", "jaxtrain_step": "3"}  # 24 orders a HashMap may pick
+    seen = set()
+    for i in range(6):
+        (tmp_path / f"w{i}").mkdir()
+        write_weights(tensors, tmp_path / f"w{i}", 10 ** 6, meta)
+        seen.add(_hashes(tmp_path / f"w{i}")[exportlib.WEIGHTS_FILE])
+    assert len(seen) == 1
+    with safe_open(str(tmp_path / "w0" / exportlib.WEIGHTS_FILE), "numpy") as f:  # still a valid file
+        assert f.metadata() == meta and np.array_equal(f.get_tensor("b"), tensors["b"])
 
 
 def test_shard_sizes():

@@ -381,9 +381,12 @@ class Checkpointer:
         return doomed
 
     def _drop_staging(self, step: int) -> None:
+        """Removes the step's staged files (the primary), then every process re-reads the listing: after
+        a barrier, or another process could list the step and then find it gone (a collective)."""
         if self.remote:
             if primary():
                 shutil.rmtree(Path(self.directory / str(step)), ignore_errors=True)
+            sync("jaxtrain_ckpt_staging_dropped")
             self.manager.reload()
 
     # ------------------------------------------------------------------ restoring

@@ -2,7 +2,7 @@
 
     python -m jaxtrain.export RUN_DIR [--step N] [--max-shard-size 5GB] --format safetensors OUT_DIR
     python -m jaxtrain.export --import HF_DIR [--config FILE] [key=value ...]
-    python -m jaxtrain.export RUN_DIR --register NAME [--alias candidate]   # MLflow model registry
+    python -m jaxtrain.export RUN_DIR --register NAME [--alias candidate] [--ready-timeout-s 300]   # MLflow
 
 See ``jaxtrain.train.hf`` and ``jaxtrain.train.handoff``.
 """
@@ -32,12 +32,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--alias", help="with --register: point this alias (e.g. candidate) at the new version")
     parser.add_argument("--tracking-uri", help="with --register: the MLflow server (default: the run's "
                                                "metrics.mlflow_tracking_uri, else $MLFLOW_TRACKING_URI)")
+    parser.add_argument("--ready-timeout-s", type=float, default=None,
+                        help="with --register: seconds to wait for the new version to be READY before failing "
+                             "(exit 2, alias not moved; default 300)")
     parser.add_argument("args", nargs="*", help="RUN_DIR OUT_DIR (export) or key=value overrides (--import)")
     a = parser.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     if not a.import_dir and not (len(a.args) == 2 or (a.register and len(a.args) == 1)):
         parser.error("export needs RUN_DIR and OUT_DIR (or RUN_DIR --register NAME)")
     if a.alias and not a.register:
         parser.error("--alias goes with --register")
+    if a.ready_timeout_s is not None and (not a.register or a.ready_timeout_s < 0):
+        parser.error("--ready-timeout-s goes with --register and is >= 0")
     if a.max_shard_size is not None and (a.import_dir or len(a.args) != 2):
         parser.error("--max-shard-size goes with an export to OUT_DIR")
 
@@ -45,9 +50,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from jaxtrain.train import hf
         if a.import_dir:
             cfg, notes = hf.import_config(Path(a.import_dir), a.config, a.args)
-            run_dir = hf.import_hf(Path(a.import_dir), cfg)
-            for note in notes:
-                print(f"note: {note}", file=sys.stderr)
+            run_dir = hf.import_hf(Path(a.import_dir), cfg, notes=notes)  # adds the tensors' notes
+            for note in notes:  # a warning (a stored value not read) is printed as one
+                print(note if note.startswith("warning: ") else f"note: {note}", file=sys.stderr)
             print(f"imported {a.import_dir} into {run_dir} (step 0)")
             return
         if len(a.args) == 2:
@@ -60,10 +65,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             else:
                 print(f"wrote {out / hf.WEIGHTS_FILE} and {out / hf.CONFIG_FILE}")
         if a.register:
-            from jaxtrain.train.handoff import register
-            v = register(Path(a.args[0]), a.register, a.alias, a.step, a.tracking_uri)
+            from jaxtrain.train.handoff import READY_TIMEOUT_S, register
+            timeout = READY_TIMEOUT_S if a.ready_timeout_s is None else a.ready_timeout_s
+            v = register(Path(a.args[0]), a.register, a.alias, a.step, a.tracking_uri, timeout)
             alias = f", alias '{a.alias}'" if a.alias else ""
             print(f"registered {a.register} version {v.version} (step {v.tags['jaxtrain.step']}{alias})")
+            files = json.loads(v.tags["jaxtrain.files_sha256"])
+            print(f"READY; sha256 of its {len(files)} files read back from the registry match the export")
     return cli(body)
 
 

@@ -7,12 +7,13 @@ row's group: ``train/<key>``, ``val/<key>`` (eval rows, without the ``val_`` pre
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 from jaxtrain.config import Config
 
@@ -48,6 +49,28 @@ def flat_config(cfg: Config) -> dict[str, str]:
     return out
 
 
+def param_limit() -> int:
+    """The longest param value (characters) the installed MLflow accepts: 6000 in MLflow 2 and 3."""
+    try:
+        from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
+        return int(MAX_PARAM_VAL_LENGTH)
+    except ImportError:  # a private module: moved or gone in another MLflow
+        return 6000
+
+
+def fit_params(params: dict[str, str], limit: int) -> tuple[dict[str, str], dict[str, int]]:
+    """``params`` with each value longer than ``limit`` characters cut to exactly ``limit``, ending in
+    ``...[truncated, N chars]`` (N: the full length); and ``{key: full length}`` of those cut."""
+    out, cut = {}, {}
+    for key, value in params.items():
+        if len(value) > limit:
+            marker = f"...[truncated, {len(value)} chars]"
+            out[key], cut[key] = value[:limit - len(marker)] + marker, len(value)
+        else:
+            out[key] = value
+    return out, cut
+
+
 def quiet_mlflow() -> None:
     """MLflow client defaults for a training job (each only if not set): give up on a server that
     is down after ~15 s, not minutes, and send no usage telemetry."""
@@ -57,36 +80,66 @@ def quiet_mlflow() -> None:
 
 
 class TensorBoardSink:
-    """Event files in ``RUN_DIR/tensorboard`` (``tensorboard --logdir RUN_DIR/tensorboard``), via tensorboardX."""
+    """Event files in ``RUN_DIR/tensorboard`` (``tensorboard --logdir RUN_DIR/tensorboard``), via tensorboardX.
+
+    The event file is opened at the first row (or :meth:`drop_after`), so a resumed run's file can
+    start with TensorBoard's purge marker. Each file's name ends in the nanosecond clock, so two
+    writers started within one second neither overwrite each other (tensorboardX names files by
+    the second and opens them with ``wb``) nor sort out of order.
+    """
 
     def __init__(self, cfg: Config, run_dir: Path):
-        from tensorboardX import SummaryWriter
-        self.writer = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+        import tensorboardX  # noqa: F401 - a missing package fails here, before any row
+        self.dir = Path(run_dir) / "tensorboard"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._earlier = any(self.dir.glob("*tfevents*"))  # files of an earlier run in this directory
+        self._purge_step: Optional[int] = None
+        self._writer = None
+
+    def drop_after(self, step: int) -> None:
+        """Hides the rows past ``step`` (the restored checkpoint's) that an earlier, interrupted run
+        wrote: the new file starts with a SessionLog.START event at ``step + 1`` (tensorboardX's
+        ``purge_step``), and TensorBoard's readers drop every earlier-read event at or past it.
+        Call it before the first row; without earlier event files it does nothing."""
+        if self._earlier and self._writer is None:
+            self._purge_step = step + 1  # TensorBoard keeps events with step < the START event's step
+            self.writer.flush()  # now, so the marker is there even if this run logs no row
+
+    @property
+    def writer(self):
+        if self._writer is None:
+            from tensorboardX import SummaryWriter
+            self._writer = SummaryWriter(str(self.dir), purge_step=self._purge_step,
+                                         filename_suffix=f".{time.time_ns()}")
+        return self._writer
 
     def write(self, step: int, values: dict[str, Any]) -> None:
         for tag, value in scalars(values):
             self.writer.add_scalar(tag, value, step)
 
     def flush(self) -> None:
-        self.writer.flush()
+        if self._writer is not None:
+            self._writer.flush()
 
     def close(self) -> None:
-        self.writer.close()
+        if self._writer is not None:
+            self._writer.close()
 
 
 class MlflowSink:
     """One MLflow run per run directory on ``metrics.mlflow_tracking_uri``, in ``metrics.mlflow_experiment``.
 
     Its id is kept in ``RUN_DIR/mlflow_run_id``, so a resumed run continues the same MLflow run.
-    A new run gets the resolved config as params; rows become metrics (one ``log_batch`` each);
+    A new run gets the resolved config as params (a value over MLflow's limit, :func:`param_limit`,
+    is cut by :func:`fit_params` and named in one warning, through ``warn``: by default the
+    ``jaxtrain`` logger); rows become metrics (one ``log_batch`` each);
     at close, ``config.yaml``, ``versions.json`` and ``tokenizer.json`` are logged as artifacts
     and the run is marked finished.
     """
 
-    def __init__(self, cfg: Config, run_dir: Path):
+    def __init__(self, cfg: Config, run_dir: Path, warn: Optional[Callable[[str], None]] = None):
         quiet_mlflow()
         from mlflow import MlflowClient
-        from mlflow.entities import Param
         from jaxtrain.metrics.sinks import tracking_uri
         self.run_dir = Path(run_dir)
         self.client = MlflowClient(tracking_uri(cfg))
@@ -102,10 +155,25 @@ class MlflowSink:
         run = self.client.create_run(exp_id, run_name=self.run_dir.name,
                                      tags={"jaxtrain.run_dir": str(self.run_dir.absolute())})
         self.run_id = run.info.run_id
-        params = [Param(k, v[:6000]) for k, v in flat_config(cfg).items()]
-        for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
-            self.client.log_batch(self.run_id, params=params[i:i + 100])
+        self._log_params(cfg, warn or logging.getLogger("jaxtrain").warning)
         id_file.write_text(self.run_id + "\n")
+
+    def _log_params(self, cfg: Config, warn: Callable[[str], None]) -> None:
+        """The flat config as params, 100 per ``log_batch`` (MLflow's batch limit); values over
+        :func:`param_limit` are cut and named in one ``warn`` call (the server would otherwise cut
+        them unmarked, warning only in its own log, or refuse the batch when its
+        ``MLFLOW_TRUNCATE_LONG_VALUES`` is false)."""
+        from mlflow.entities import Param
+        limit = param_limit()
+        values, cut = fit_params(flat_config(cfg), limit)
+        if cut:
+            warn(f"metrics sink 'mlflow': MLflow keeps at most {limit} characters of a param value; cut to "
+                 f"{limit}, ending in '...[truncated, N chars]': "
+                 + ", ".join(f"{k} ({n} chars)" for k, n in cut.items())
+                 + " (the whole config is the run's config.yaml artifact)")
+        params = [Param(k, v) for k, v in values.items()]
+        for i in range(0, len(params), 100):
+            self.client.log_batch(self.run_id, params=params[i:i + 100])
 
     def write(self, step: int, values: dict[str, Any]) -> None:
         from mlflow.entities import Metric

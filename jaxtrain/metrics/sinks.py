@@ -141,9 +141,18 @@ def _external(kind: str) -> Callable[..., Sink]:
         cls = {"tensorboard": external.TensorBoardSink, "mlflow": external.MlflowSink,
                "wandb": external.WandbSink}[kind]
         if kind == "mlflow":  # an HTTP round trip per row: off the loop's thread
-            return Background(lambda: cls(cfg, run_dir), kind)
+            return Background(lambda: cls(cfg, run_dir, _warning(reporter)), kind)
         return cls(cfg, run_dir)
     return make
+
+
+def _warning(reporter: Reporter) -> Callable[[str], None]:
+    """A sink's warning (e.g. params cut) as a yellow ``warning:`` line on the console."""
+    from rich.markup import escape
+
+    def warn(msg: str) -> None:
+        reporter.info(f"[yellow]warning:[/] {escape(msg)}")  # escaped: '[truncated, ...]' is not markup
+    return warn
 
 
 # metrics.sinks name -> (cfg, run_dir, reporter, unit) -> Sink; the names are config.schema.SINKS.

@@ -7,22 +7,38 @@ The step (default: the latest committed) is exported as Hugging Face safetensors
 sink wrote, its id in ``RUN_DIR/mlflow_run_id``; else a new run in ``metrics.mlflow_experiment``),
 and registered as a new version of model ``NAME`` whose tags carry its lineage: the run
 directory, the step, the SHA-256 of ``config.yaml``, the validation loss at that step and the
-package versions. ``--alias`` then points at the new version (an alias moves, e.g. from the
-previous candidate). The server is ``metrics.mlflow_tracking_uri`` or ``$MLFLOW_TRACKING_URI``.
+package versions, and the SHA-256 of each exported file (``jaxtrain.files_sha256``, JSON). The
+version must then become READY (``--ready-timeout-s``) and its files, read back from the
+registry, must hash as exported; only then does ``--alias`` point at it (an alias moves, e.g.
+from the previous candidate). Otherwise :class:`RegistryError` names what went wrong and the
+alias stays where it was. The server is ``metrics.mlflow_tracking_uri`` or ``$MLFLOW_TRACKING_URI``.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Optional
 
 from jaxtrain.checkpoint.checkpointer import Checkpointer, CheckpointError
 from jaxtrain.config import ConfigError, load
+from jaxtrain.errors import JaxtrainError
 from jaxtrain.metrics.external import quiet_mlflow
 from jaxtrain.metrics.sinks import read_metrics, tracking_uri
 from jaxtrain.train import hf
+
+
+READY_TIMEOUT_S = 300.0  # default wait for a new version to leave PENDING_REGISTRATION
+
+
+class RegistryError(JaxtrainError):
+    """The registry did not take the version as exported: it ended FAILED_REGISTRATION, was not
+    READY in time, or its files differ from the export. The alias was not moved. Exit 1: the
+    service failed, not the input (as a launcher's SubmitError)."""
+
+    exit_code = 1
 
 
 def lineage(run_dir: Path, step: int, committed: dict) -> dict[str, str]:
@@ -41,12 +57,15 @@ def lineage(run_dir: Path, step: int, committed: dict) -> dict[str, str]:
 
 
 def register(run_dir: Path, name: str, alias: Optional[str] = None, step: Optional[int] = None,
-             uri: Optional[str] = None) -> Any:
-    """Registers ``step`` of ``run_dir`` as a new version of MLflow model ``name``; returns the ModelVersion.
+             uri: Optional[str] = None, ready_timeout_s: float = READY_TIMEOUT_S) -> Any:
+    """Registers ``step`` of ``run_dir`` as a new version of MLflow model ``name``; returns the READY
+    ModelVersion, whose files were checked. ``ready_timeout_s``: seconds to wait for READY.
 
     Raises:
       ConfigError: not a run directory, no tracking server, or a family without HF converter.
       CheckpointError: no committed checkpoint, or no such step.
+      RegistryError: the version failed, was not READY within ``ready_timeout_s``, or a file read
+        back from the registry differs from the export (named); the alias was not moved.
     """
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
@@ -56,6 +75,39 @@ def register(run_dir: Path, name: str, alias: Optional[str] = None, step: Option
     if not uri:
         raise ConfigError("--register: needs an MLflow tracking server (--tracking-uri, metrics.mlflow_tracking_uri "
                           "or $MLFLOW_TRACKING_URI)")
+    step, committed = _step(cfg, run_dir, step)
+    quiet_mlflow()
+    from mlflow import MlflowClient
+    client = MlflowClient(uri)
+    with tempfile.TemporaryDirectory(prefix="jaxtrain-register-") as tmp:
+        hf.export(run_dir, Path(tmp), step)
+        digests = file_digests(Path(tmp))
+        run_id = _mlflow_run(client, run_dir, cfg.metrics.mlflow_experiment)
+        path = f"model-step-{step}"
+        client.log_artifacts(run_id, tmp, artifact_path=path)
+    _ensure_model(client, name)
+    source = f"{client.get_run(run_id).info.artifact_uri}/{path}"
+    tags = {**lineage(run_dir, step, committed), "jaxtrain.files_sha256": json.dumps(digests, sort_keys=True)}
+    version = client.create_model_version(name, source=source, run_id=run_id, tags=tags, await_creation_for=0,
+                                          description=f"{run_dir.name} step {step} (jaxtrain)")
+    try:
+        version = wait_ready(client, version, ready_timeout_s)
+        check_files(uri, version, digests)
+    except RegistryError as err:
+        if alias:
+            raise RegistryError(f"{err}; alias '{alias}' not moved") from None
+        raise
+    if alias:
+        client.set_registered_model_alias(name, alias, version.version)
+    return version
+
+
+def _step(cfg, run_dir: Path, step: Optional[int]) -> tuple[int, dict]:
+    """(the step to register: ``step`` or the latest committed, the committed steps).
+
+    Raises:
+      CheckpointError: no committed checkpoint.
+    """
     ckpt = Checkpointer(cfg, run_dir)
     try:
         committed = ckpt.committed()
@@ -64,26 +116,77 @@ def register(run_dir: Path, name: str, alias: Optional[str] = None, step: Option
     step = max(committed) if step is None and committed else step
     if step is None:
         raise CheckpointError(f"export: no committed checkpoint in {run_dir}")
-    quiet_mlflow()
-    from mlflow import MlflowClient
+    return step, committed
+
+
+def _ensure_model(client, name: str) -> None:
+    """Creates registered model ``name`` unless it exists."""
     from mlflow.exceptions import MlflowException
-    client = MlflowClient(uri)
-    with tempfile.TemporaryDirectory(prefix="jaxtrain-register-") as tmp:
-        hf.export(run_dir, Path(tmp), step)
-        run_id = _mlflow_run(client, run_dir, cfg.metrics.mlflow_experiment)
-        path = f"model-step-{step}"
-        client.log_artifacts(run_id, tmp, artifact_path=path)
     try:
         client.create_registered_model(name)
     except MlflowException as err:
         if err.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
-    source = f"{client.get_run(run_id).info.artifact_uri}/{path}"
-    version = client.create_model_version(name, source=source, run_id=run_id, tags=lineage(run_dir, step, committed),
-                                          description=f"{run_dir.name} step {step} (jaxtrain)")
-    if alias:
-        client.set_registered_model_alias(name, alias, version.version)
+
+
+def file_digests(root: Path) -> dict[str, str]:
+    """``{path relative to root: sha256 hex}`` of every file under ``root``, read in 1 MiB chunks."""
+    out = {}
+    for path in sorted(p for p in Path(root).rglob("*") if p.is_file()):
+        digest = hashlib.sha256()
+        with path.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+        out[path.relative_to(root).as_posix()] = digest.hexdigest()
+    return out
+
+
+def wait_ready(client, version: Any, timeout_s: float, poll_s: float = 1.0) -> Any:
+    """Polls ``get_model_version`` every ``poll_s`` seconds until ``version`` is READY; returns it.
+
+    Raises:
+      RegistryError: it ended in another status (FAILED_REGISTRATION), or was still pending after
+        ``timeout_s`` seconds.
+    """
+    deadline = time.monotonic() + timeout_s
+    label = f"--register: model '{version.name}' version {version.version}"
+    while version.status != "READY":
+        if version.status != "PENDING_REGISTRATION":
+            raise RegistryError(f"{label} ended {version.status}: {version.status_message or 'no message'}")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RegistryError(f"{label} is still PENDING_REGISTRATION after {timeout_s:g} s "
+                                f"(--ready-timeout-s)")
+        time.sleep(min(poll_s, left))
+        version = client.get_model_version(version.name, version.version)
     return version
+
+
+def check_files(uri: str, version: Any, expected: dict[str, str]) -> None:
+    """Downloads the files of ``version`` (``models:/NAME/VERSION``, what a consumer gets) from the
+    registry at ``uri`` and compares their SHA-256 with ``expected`` (:func:`file_digests`).
+
+    Raises:
+      RegistryError: a file differs, is missing, or is not in the export; each one is named.
+    """
+    import mlflow.artifacts
+    with tempfile.TemporaryDirectory(prefix="jaxtrain-register-check-") as tmp:
+        local = mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{version.name}/{version.version}",
+                                                    dst_path=tmp, tracking_uri=uri, registry_uri=uri)
+        got = file_digests(Path(local))
+    bad = [_difference(f, expected.get(f), got.get(f)) for f in sorted(expected.keys() | got.keys())
+           if expected.get(f) != got.get(f)]
+    if bad:
+        raise RegistryError(f"--register: model '{version.name}' version {version.version}: the registry's files "
+                            f"differ from the export: " + "; ".join(bad))
+
+
+def _difference(name: str, want: Optional[str], got: Optional[str]) -> str:
+    if got is None:
+        return f"{name} is missing"
+    if want is None:
+        return f"{name} is not in the export"
+    return f"{name} has sha256 {got[:12]}..., exported {want[:12]}..."
 
 
 def _mlflow_run(client, run_dir: Path, experiment: str) -> str:

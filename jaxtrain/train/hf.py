@@ -17,6 +17,7 @@ found before anything is written. See ``jaxtrain.train.hf_files`` for the file f
 """
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -172,12 +173,16 @@ def _file_model_keys(config: Optional[str]) -> set[str]:
     return set(model) if isinstance(model, dict) else set()
 
 
-def import_hf(hf_dir: Path, cfg: Config, devices=None) -> Path:
+def import_hf(hf_dir: Path, cfg: Config, devices=None, notes: Optional[list[str]] = None) -> Path:
     """Writes ``cfg.run.dir`` with a step-0 checkpoint holding the params in ``hf_dir``.
 
     ``cfg``'s model keys must be those of ``hf_dir/config.json`` (:func:`import_config` makes such a
-    config from the user's; an unset ``model.max_positions`` is taken from it). Reads ``model.safetensors``, or the shards that
-    ``model.safetensors.index.json`` names; never a pickle.
+    config from the user's; an unset ``model.max_positions`` is taken from it). Reads
+    ``model.safetensors``, or the shards that ``model.safetensors.index.json`` names; never a pickle.
+    ``notes`` (if given; e.g. the list :func:`import_config` returned) gets, once the run is written,
+    the tensor-level notes: tensors stored but not read (a copy in a shard the index does not choose,
+    recomputed buffers, a tied model's copy of its embedding table); those starting with
+    'warning: ' are where a stored value may be lost.
 
     Raises:
       ConfigError: ``cfg``'s family has no converter; ``hf_dir`` lacks config.json or the weights (a
@@ -186,6 +191,7 @@ def import_hf(hf_dir: Path, cfg: Config, devices=None) -> Path:
         problem listed); ``run.dir`` is not new or empty (or in use). Nothing is written then.
     """
     hf_dir = Path(hf_dir)
+    notes = [] if notes is None else notes
     conv = converter(cfg)
     hf = read_hf_config(hf_dir)
     files = weight_files(hf_dir)
@@ -196,9 +202,10 @@ def import_hf(hf_dir: Path, cfg: Config, devices=None) -> Path:
     if wrong:
         raise ConfigError("\n".join(f"model.{k}: the config has {was!r}, {hf_dir / CONFIG_FILE} gives {now!r}"
                                     for k, was, now in wrong))
-    tensors = load_tensors(hf_dir, files)
+    found: list[str] = []  # added to ``notes`` only once the import succeeds
+    tensors = load_tensors(hf_dir, files, found)
     vocab = cfg.model.vocab_size
-    params = conv.from_hf(tensors, lm.model_config(cfg, vocab))  # every mismatch listed before building
+    params = _from_hf(conv, tensors, lm.model_config(cfg, vocab), found)  # every mismatch listed before building
     s = setup(cfg, devices, vocab=vocab)
     with rundir.opened(cfg, new=True) as run_dir:  # a new run: nothing of an existing one is touched
         rundir.write_config_file(cfg, run_dir)
@@ -208,7 +215,16 @@ def import_hf(hf_dir: Path, cfg: Config, devices=None) -> Path:
             ckpt.finish()
         finally:
             ckpt.close()
+    notes += found
     return run_dir
+
+
+def _from_hf(conv: HFConverter, tensors: dict, model_cfg, notes: list[str]) -> dict:
+    """``conv.from_hf(tensors, model_cfg)``, passing ``notes`` to a converter whose from_hf takes them
+    (a family's own converter may predate the parameter)."""
+    if "notes" in inspect.signature(conv.from_hf).parameters:
+        return conv.from_hf(tensors, model_cfg, notes=notes)
+    return conv.from_hf(tensors, model_cfg)
 
 
 def _fresh_state(s, params: dict) -> dict:

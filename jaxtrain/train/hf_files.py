@@ -11,13 +11,18 @@ HF's layouts (as ``transformers``' ``save_pretrained`` writes them):
 
 Only safetensors are read: a directory holding only ``pytorch_model*.bin`` (a pickle, whose loading
 runs code) is refused by name. Every problem is a :class:`ConfigError` (exit 2) raised before
-anything is loaded into a run.
+anything is loaded into a run. The index decides which shard a tensor is read from: a copy held by
+another shard, or a tensor the index does not name, is not read (a warning among the notes).
+
+Writes are reproducible: exporting the same params twice gives byte-identical files (the
+safetensors header's metadata is put in sorted order, see :func:`_sort_header`).
 """
 from __future__ import annotations
 
 import json
 import os
 import re
+import struct
 from pathlib import Path
 from typing import Optional
 
@@ -79,7 +84,8 @@ def weight_files(hf_dir: Path) -> dict[str, Optional[list[str]]]:
     Raises:
       ConfigError: neither exists (a ``pytorch_model*.bin``-only directory named), the index is not
         valid JSON, has no weight_map, names a file that is not a safetensors file beside it, or
-        names shard files that are missing (all listed).
+        names shard files that are missing (all listed, each with a count and the first few names of
+        the tensors the index puts in it).
     """
     hf_dir = Path(hf_dir)
     index = hf_dir / INDEX_FILE
@@ -95,12 +101,14 @@ def weight_files(hf_dir: Path) -> dict[str, Optional[list[str]]]:
         if bad:
             raise ConfigError(f"import: {index}: weight_map names {bad[0]!r}, which is not a .safetensors file "
                               f"beside it")
-        missing = sorted({f for f in wm.values() if not (hf_dir / f).is_file()})
-        if missing:
-            raise ConfigError(f"import: {index} names shard files missing from '{hf_dir}': {', '.join(missing)}")
         files: dict[str, Optional[list[str]]] = {}
         for name, f in wm.items():
             files.setdefault(f, []).append(name)
+        missing = sorted(f for f in files if not (hf_dir / f).is_file())
+        if missing:  # name what each held: the user can tell which part of the model is gone
+            held = "; ".join(f"{f} (the index puts {_count(files[f])} in it: {_some(sorted(files[f]))})"
+                             for f in missing)
+            raise ConfigError(f"import: {index} names shard files missing from '{hf_dir}': {held}")
         return files
     if (hf_dir / WEIGHTS_FILE).is_file():
         return {WEIGHTS_FILE: None}
@@ -112,15 +120,19 @@ def weight_files(hf_dir: Path) -> dict[str, Optional[list[str]]]:
     raise ConfigError(f"import: no {WEIGHTS_FILE} or {INDEX_FILE} in '{hf_dir}'")
 
 
-def load_tensors(hf_dir: Path, files: dict[str, Optional[list[str]]]) -> dict:
+def load_tensors(hf_dir: Path, files: dict[str, Optional[list[str]]], notes: Optional[list[str]] = None) -> dict:
     """The tensors of :func:`weight_files`' answer, as host numpy arrays (dtypes kept; bfloat16 as
     ml_dtypes'). Read through safetensors' flax loader (its numpy one has no bfloat16), then copied
     to the host, so the layout changes after it are numpy's, never a compiled op per shape.
+
+    ``notes`` (if given) gets a warning for each shard holding tensors the index does not read from
+    it: ones it maps to another shard (that copy is read) and ones it does not name (not read).
 
     Raises:
       ConfigError: a file is not readable safetensors, or the index puts a tensor in a shard that does
         not hold it (all such tensors listed).
     """
+    indexed = {t: f for f, names in files.items() for t in names or ()}
     tensors, absent = {}, []
     for name, wanted in files.items():
         path = Path(hf_dir) / name
@@ -132,9 +144,36 @@ def load_tensors(hf_dir: Path, files: dict[str, Optional[list[str]]]) -> dict:
                     tensors[t] = np.asarray(f.get_tensor(t))
         except (SafetensorError, OSError) as err:
             raise ConfigError(f"import: {path} is not a readable safetensors file ({err})") from None
+        if wanted is not None and notes is not None:
+            notes += _unread(name, sorted(held - set(wanted)), indexed)
     if absent:
         raise ConfigError(f"import: {INDEX_FILE} names tensors its shards do not hold: {', '.join(sorted(absent))}")
     return tensors
+
+
+def _unread(shard: str, extra: list[str], indexed: dict[str, str]) -> list[str]:
+    """Warnings for the tensors ``extra`` that ``shard`` holds but the index does not read from it
+    (``indexed``: tensor -> the shard the index names)."""
+    elsewhere = [f"{t} (index: {indexed[t]})" for t in extra if t in indexed]
+    unnamed = [t for t in extra if t not in indexed]
+    out = []
+    if elsewhere:
+        out.append(f"warning: {shard} holds {_count(elsewhere)} that {INDEX_FILE} maps to another shard, whose "
+                   f"copy is read: {_some(elsewhere)}")
+    if unnamed:
+        out.append(f"warning: {shard} holds {_count(unnamed)} that {INDEX_FILE} does not name, not read: "
+                   f"{_some(unnamed)}")
+    return out
+
+
+def _count(names: list) -> str:
+    return f"{len(names)} tensor{'s' if len(names) != 1 else ''}"
+
+
+def _some(names: list[str], limit: int = 5) -> str:
+    """'a, b, c' for at most ``limit`` names, then 'and N more' (messages stay short for 1000s of tensors)."""
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
 
 
 def write_weights(tensors: dict, out_dir: Path, max_shard_bytes: int, metadata: dict[str, str]) -> list[str]:
@@ -143,7 +182,8 @@ def write_weights(tensors: dict, out_dir: Path, max_shard_bytes: int, metadata: 
     One ``model.safetensors`` when they fit in ``max_shard_bytes``; else shards filled in order, a new
     one started when the next tensor would overflow the current one, and the index. Each file is
     written under a temporary name and renamed; weight files of an earlier export (another layout or
-    shard count) are then removed, so the directory never mixes two exports' weights.
+    shard count) are then removed, so the directory never mixes two exports' weights. The same
+    tensors and metadata always give the same bytes.
     """
     shards: list[list[str]] = [[]]
     size = 0
@@ -163,6 +203,7 @@ def write_weights(tensors: dict, out_dir: Path, max_shard_bytes: int, metadata: 
     for file, names in layout.items():
         tmp = out_dir / f".{file}.tmp"
         save_file({n: tensors[n] for n in names}, str(tmp), metadata=metadata)
+        _sort_header(tmp)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # safetensors writes 0600; exports are meant to be shared like any file
@@ -181,3 +222,28 @@ def write_weights(tensors: dict, out_dir: Path, max_shard_bytes: int, metadata: 
         if old.name not in written and (old.name in (WEIGHTS_FILE, INDEX_FILE) or SHARD_NAME.match(old.name)):
             old.unlink()
     return written
+
+
+def _sort_header(path: Path) -> None:
+    """Puts the ``__metadata__`` of safetensors file ``path``'s JSON header in sorted key order, in place.
+
+    safetensors 0.8 holds the metadata in a Rust HashMap, whose order is random per call (two exports
+    of one step differed in bytes); the tensors' entries it already writes in a fixed order. The
+    header keeps its length (the same compact JSON with keys permuted, space-padded as safetensors
+    pads it), so the tensor data does not move.
+
+    Raises:
+      RuntimeError: the rewritten header would be longer (a safetensors whose JSON is not compact).
+    """
+    with open(path, "r+b") as f:
+        size = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(size))
+        meta = header.pop("__metadata__", None)
+        if not meta:
+            return
+        text = json.dumps({"__metadata__": dict(sorted(meta.items())), **header}, separators=(",", ":"),
+                          ensure_ascii=False).encode()
+        if len(text) > size:
+            raise RuntimeError(f"{path}: the sorted safetensors header is {len(text)} bytes, the written one {size}")
+        f.seek(8)
+        f.write(text.ljust(size, b" "))

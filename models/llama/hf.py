@@ -13,6 +13,9 @@ Torch ``Linear`` weights are ``[out, in]``:
   model.norm.weight                              [d]               = final_norm.scale
   lm_head.weight                                 [vocab, d]        = lm_head transposed (absent when tied)
 
+A tied model's files may still hold ``lm_head.weight`` (some savers write the shared table twice):
+an exact copy of ``model.embed_tokens.weight`` is accepted with a note, any other is refused.
+
 Rotary embeddings already use HF's rotate_half convention, so q/k need no permutation.
 With ``scan_layers`` the blocks are stacked on a leading layer dim; they are unstacked
 on export and stacked on import, so both layouts give the same tensors.
@@ -27,7 +30,7 @@ a smaller sliding window than the sequence, a head size other than hidden/heads)
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Optional
 
 import jax
 import numpy as np
@@ -40,7 +43,8 @@ INERT_KEYS = frozenset({
     "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "bos_token_id", "eos_token_id",
     "pad_token_id", "use_cache", "initializer_range", "pretraining_tp", "_name_or_path", "output_attentions",
     "output_hidden_states", "return_dict", "id2label", "label2id", "problem_type", "chunk_size_feed_forward",
-    "is_encoder_decoder", "output_router_logits", "router_aux_loss_coef", "tokenizer_class"})
+    "is_encoder_decoder", "output_router_logits", "tokenizer_class"})
+# Not inert, so not above: router_aux_loss_coef (a MoE's loss weight: the mixtral converter notes it).
 ROPE_TYPES = ("default", "llama3")
 IGNORED_TENSORS = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry; recomputed, never read
 
@@ -86,8 +90,11 @@ class DecoderHF:
             out["lm_head.weight"] = params["lm_head"].T
         return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
-    def shapes(self, cfg: LlamaConfig) -> dict[str, tuple]:
-        """The HF tensor names and shapes that ``cfg`` (vocab resolved) implies."""
+    def shapes(self, cfg: LlamaConfig, tensors: Optional[dict] = None) -> dict[str, tuple]:
+        """The HF tensor names and shapes that ``cfg`` (vocab resolved) implies.
+
+        With ``tensors`` (an import's), a feed-forward block that HF can store in more than one layout
+        gets the names of the layout those tensors use (see :meth:`ffn_shapes`)."""
         d, q, kv, v = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.vocab_size
         out = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
         for i in range(cfg.n_layers):
@@ -95,20 +102,36 @@ class DecoderHF:
             out.update({pre + "self_attn.q_proj.weight": (q, d), pre + "self_attn.k_proj.weight": (kv, d),
                         pre + "self_attn.v_proj.weight": (kv, d), pre + "self_attn.o_proj.weight": (d, q),
                         pre + "input_layernorm.weight": (d,), pre + "post_attention_layernorm.weight": (d,)})
-            out.update(self.ffn_shapes(pre, cfg))
+            out.update(self.ffn_shapes(pre, cfg, tensors))
         if not cfg.tie_embeddings:
             out["lm_head.weight"] = (v, d)
         return out
 
-    def from_hf(self, tensors: dict, cfg: LlamaConfig) -> dict:
+    def from_hf(self, tensors: dict, cfg: LlamaConfig, notes: Optional[list[str]] = None) -> dict:
         """HF tensors (numpy) -> our param tree for ``cfg`` (the exact inverse of :meth:`to_hf`).
 
+        ``notes`` (if given) gets a line for each thing read differently than it is stored: buffers
+        recomputed instead of read, a tied model's copy of the embedding table as ``lm_head.weight``.
+
         Raises:
-          ConfigError: a tensor is missing, unexpected, or has the wrong shape (all listed).
+          ConfigError: a tensor is missing, unexpected, or has the wrong shape, or a tied model's
+            ``lm_head.weight`` is not an exact copy of the embedding table (all listed).
         """
-        expected = self.shapes(cfg)
-        tensors = {n: x for n, x in tensors.items() if not n.endswith(IGNORED_TENSORS)}
-        problems = [f"{n}: missing (expected {expected[n]})" for n in expected if n not in tensors]
+        notes = [] if notes is None else notes
+        expected = self.shapes(cfg, tensors)
+        buffers = sorted(n for n in tensors if n.endswith(IGNORED_TENSORS))
+        if buffers:
+            notes.append(f"model: buffers jaxtrain recomputes from config.json are not read: {_some(buffers)}")
+        tensors = {n: x for n, x in tensors.items() if n not in buffers}
+        problems = []
+        if cfg.tie_embeddings and "lm_head.weight" in tensors:  # the shared table saved a second time
+            problem = _tied_copy_problem(tensors)
+            problems += [problem] if problem else []
+            if not problem:
+                notes.append("model: lm_head.weight is an exact copy of model.embed_tokens.weight and config.json "
+                             "ties them (tie_word_embeddings true): read once, as the embedding table")
+            tensors = {n: x for n, x in tensors.items() if n != "lm_head.weight"}
+        problems += [f"{n}: missing (expected {expected[n]})" for n in expected if n not in tensors]
         problems += [f"{n}: not a tensor of this model" for n in tensors if n not in expected]
         problems += [f"{n}: shape {tuple(tensors[n].shape)}, expected {expected[n]}" for n in expected
                      if n in tensors and tuple(tensors[n].shape) != expected[n]]
@@ -141,7 +164,7 @@ class DecoderHF:
         return {f"{pre}mlp.gate_proj.weight": m["w_gate"].T, f"{pre}mlp.up_proj.weight": m["w_up"].T,
                 f"{pre}mlp.down_proj.weight": m["w_down"].T}
 
-    def ffn_shapes(self, pre: str, cfg: LlamaConfig) -> dict[str, tuple]:
+    def ffn_shapes(self, pre: str, cfg: LlamaConfig, tensors: Optional[dict] = None) -> dict[str, tuple]:
         d, f = cfg.d_model, cfg.d_ff
         return {pre + "mlp.gate_proj.weight": (f, d), pre + "mlp.up_proj.weight": (f, d),
                 pre + "mlp.down_proj.weight": (d, f)}
@@ -218,15 +241,42 @@ class DecoderHF:
                 notes.append(f"config.json sliding_window={window}: attention over at most data.seq_len={seq_len} "
                              f"tokens equals it; keep data.seq_len <= {window} when training this model")
         keys["rope_theta"], keys["rope_scaling"] = _rope(r, keys["max_positions"])
-        keys.update(self.extra_model_keys(r))
+        keys.update(self.extra_model_keys(r, notes))
         unread = sorted(set(hf) - r.read - INERT_KEYS)
         if unread:
             notes.append(f"config.json keys not read (they change nothing jaxtrain computes, or are unknown to "
                          f"it): {', '.join(unread)}")
         return keys, notes
 
-    def extra_model_keys(self, r: "_Reader") -> dict:
+    def extra_model_keys(self, r: "_Reader", notes: list[str]) -> dict:
+        """The family's own ``model.*`` keys from config.json (appending notes for the user to ``notes``)."""
         return {}
+
+
+def _some(names: list[str], limit: int = 5) -> str:
+    """'a, b, c' for at most ``limit`` names, then 'and N more' (messages stay short for 1000s of tensors)."""
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def _tied_copy_problem(tensors: dict) -> Optional[str]:
+    """None when ``lm_head.weight`` equals ``model.embed_tokens.weight`` exactly (values, not dtype), else
+    why not (shape, or the max abs difference). A missing embedding table is reported elsewhere."""
+    head, table = tensors["lm_head.weight"], tensors.get("model.embed_tokens.weight")
+    if table is None:
+        return None
+    tied = "config.json ties them (tie_word_embeddings true), so a tied model has one table; set " \
+           "tie_word_embeddings to false to import both"
+    if head.shape != table.shape:
+        return f"lm_head.weight: shape {tuple(head.shape)} differs from model.embed_tokens.weight's " \
+               f"{tuple(table.shape)}, but {tied}"
+    # In float32 (exact for bf16/f16/f32; float64 only when stored so): a 128k-row table stays cheap.
+    wide = np.float64 if np.dtype(np.float64) in (head.dtype, table.dtype) else np.float32
+    a, b = np.asarray(head, wide), np.asarray(table, wide)
+    if np.array_equal(a, b):
+        return None
+    diff = float(np.max(np.abs(a - b)))
+    return f"lm_head.weight: differs from model.embed_tokens.weight (max abs difference {diff:.3g}), but {tied}"
 
 
 class LlamaHF(DecoderHF):

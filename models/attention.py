@@ -27,17 +27,13 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from jaxtrain.config.schema import ConfigError
 from jaxtrain.kernels import blockwise, flash_gpu, flash_tpu, reference, ring, target
 from jaxtrain.parallel.activations import devices_along
+from jaxtrain.errors import AttentionBackendError
 
 IMPLEMENTATIONS = ("auto", "xla", "blockwise", "cudnn", "pallas", "ring")
 log = logging.getLogger("jaxtrain.attention")
 _logged: set = set()
-
-
-class AttentionBackendError(ConfigError):
-    """An explicit ``model.attention`` choice cannot run on the current backend."""
 
 
 def backend_problem(implementation: str, backend: str) -> Optional[str]:

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxtrain.config.schema import ModelConfig
+from jaxtrain.config.base import ModelConfig
 
 # (model, batch) -> (loss, aux): the mean loss of one micro-batch, and a dict of scalars.
 # aux["weight"] (optional) is the count that mean is over (e.g. loss-mask tokens), so micro-

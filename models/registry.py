@@ -15,7 +15,7 @@ import importlib
 from importlib import metadata
 from typing import TYPE_CHECKING
 
-from jaxtrain.config.schema import ConfigError
+from jaxtrain.errors import ConfigError
 
 if TYPE_CHECKING:
     from jaxtrain.models.family import Family

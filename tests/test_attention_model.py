@@ -8,7 +8,8 @@ import pytest
 
 from attention_helpers import corpus_windows
 from conftest import put_windows
-from jaxtrain.config import ConfigError, check_against_mesh
+from jaxtrain.config import check_against_mesh
+from jaxtrain.errors import ConfigError
 from jaxtrain.models import attention as attn
 from jaxtrain.train import setup
 

@@ -9,7 +9,7 @@ import pytest
 
 from jaxtrain.checkpoint import checkpointer as ckptlib
 from jaxtrain.checkpoint import storage
-from jaxtrain.checkpoint.integrity import CorruptCheckpointError
+from jaxtrain.errors import CorruptCheckpointError
 from jaxtrain.train import fit, setup
 
 # The S3 test's run (same mesh and schedule), so the persistent compile cache serves both.

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import REPO, SMALL
 from jaxtrain.checkpoint import checkpointer as ckptlib
-from jaxtrain.checkpoint.integrity import CorruptCheckpointError
+from jaxtrain.errors import CorruptCheckpointError
 from jaxtrain.config import load
 from jaxtrain.train import fit, setup
 

@@ -9,7 +9,8 @@ from conftest import put_windows
 from jaxtrain.cli import train as train_cli
 from jaxtrain.data import windows as windowslib
 from jaxtrain.models import family as familylib
-from jaxtrain.train import NonFiniteError, fit, setup
+from jaxtrain.train import fit, setup
+from jaxtrain.errors import NonFiniteError
 
 
 def test_nonfinite_step_keeps_params_and_opt_state(small_cfg):

@@ -1,6 +1,4 @@
 """Checkpoints through a real S3-compatible server (moto_server on 127.0.0.1): save, list, GC, restore."""
-import os
-from pathlib import Path
 
 import jax
 import numpy as np

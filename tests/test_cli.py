@@ -8,7 +8,7 @@ from jaxtrain import config as cfglib
 from jaxtrain.analysis.explain import explain
 from jaxtrain.cli import explain as explain_cli, export as export_cli, plan as plan_cli, prepare as prepare_cli
 from jaxtrain.cli import train as train_cli
-from jaxtrain.config import ConfigError
+from jaxtrain.errors import ConfigError
 from jaxtrain.examples import digits
 from jaxtrain.train import fit
 

@@ -3,8 +3,8 @@ import pytest
 
 from jaxtrain import config as cfglib
 from jaxtrain.cli import train as train_cli
-from jaxtrain.config import ConfigError
-from jaxtrain.data import DataError
+from jaxtrain.errors import ConfigError
+from jaxtrain.errors import DataError
 from jaxtrain.train import fit, step
 
 

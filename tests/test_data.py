@@ -6,7 +6,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxtrain.config import MeshConfig
 from jaxtrain.data import arrays, packing, windows
 from jaxtrain.parallel.mesh import build_mesh
-from jaxtrain.data.tokenizers import ByteTokenizer, CharTokenizer, DataError
+from jaxtrain.data.tokenizers import ByteTokenizer, CharTokenizer
+from jaxtrain.errors import DataError
 
 
 def test_char_split_is_last_tenth(small_cfg, corpus_path):

@@ -7,7 +7,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxtrain.train import fit
 from jaxtrain.config import MeshConfig
 from jaxtrain.data import packing, pipeline, store
-from jaxtrain.data.tokenizers import DataError
+from jaxtrain.errors import DataError
 from jaxtrain.parallel.mesh import build_mesh
 from jaxtrain.train import setup
 

@@ -8,7 +8,8 @@ import pytest
 from jaxtrain import config as cfglib
 from jaxtrain import data as datalib
 from jaxtrain.data import sources, store
-from jaxtrain.data.tokenizers import ByteTokenizer, DataError, HFTokenizer, SentencePieceTokenizer, special_ids
+from jaxtrain.data.tokenizers import ByteTokenizer, HFTokenizer, SentencePieceTokenizer, special_ids
+from jaxtrain.errors import DataError
 
 
 @pytest.fixture(scope="session")

@@ -77,7 +77,8 @@ def test_bad_values_are_named(env, cfg, message):
     ("distributed.mode=sometimes", "distributed.mode: "),
 ])
 def test_distributed_keys_are_checked_with_the_config(override, message):
-    from jaxtrain.config import ConfigError, load
+    from jaxtrain.config import load
+    from jaxtrain.errors import ConfigError
     with pytest.raises(ConfigError) as err:
         load(None, [override])
     assert str(err.value).startswith(message), str(err.value)

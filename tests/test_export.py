@@ -14,7 +14,7 @@ from safetensors import safe_open
 from jaxtrain.checkpoint import checkpointer as ckptlib
 from jaxtrain.train import hf as exportlib
 from jaxtrain.cli import export as export_cli
-from jaxtrain.config import ConfigError
+from jaxtrain.errors import ConfigError
 from jaxtrain.models import registry
 from jaxtrain.train import rundir, setup
 

@@ -11,8 +11,8 @@ import yaml
 
 from jaxtrain import config as cfglib
 from jaxtrain.analysis.explain import explain
-from jaxtrain.checkpoint.checkpointer import CheckpointError
-from jaxtrain.config import ConfigError
+from jaxtrain.errors import CheckpointError
+from jaxtrain.errors import ConfigError
 from jaxtrain.models import attention, registry
 from jaxtrain.train import fit, hf
 

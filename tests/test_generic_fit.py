@@ -8,9 +8,10 @@ import pytest
 from flax import nnx
 
 from jaxtrain import config as cfglib
-from jaxtrain.data import ArrayData, DataError
+from jaxtrain.data import ArrayData
+from jaxtrain.errors import DataError
 from jaxtrain.examples import digits
-from jaxtrain.parallel.rules import ShardingError
+from jaxtrain.errors import ShardingError
 from jaxtrain.train import ModelSpec, fit
 
 

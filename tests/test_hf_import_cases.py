@@ -18,7 +18,7 @@ from test_hf_parity import TOKENS, TOL, hf_model, torch_logits
 from jaxtrain import config as cfglib
 from jaxtrain.checkpoint.checkpointer import Checkpointer
 from jaxtrain.cli import export as export_cli
-from jaxtrain.config import ConfigError
+from jaxtrain.errors import ConfigError
 from jaxtrain.train import hf as hflib
 from jaxtrain.train import lm, setup
 from jaxtrain.train.hf_files import INDEX_FILE, WEIGHTS_FILE, load_tensors, weight_files

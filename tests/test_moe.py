@@ -162,7 +162,7 @@ def test_flops_per_token_count_the_active_parameters():
 
 def test_routing_keys_are_checked_and_named():
     from jaxtrain import config as cfglib
-    from jaxtrain.config import ConfigError
+    from jaxtrain.errors import ConfigError
     for override, message in [
         ("model.top_k=9", "model.top_k: 9 is more than model.n_experts=8"),
         ("model.capacity_factor=0", "model.capacity_factor: must be a finite number > 0, got 0.0"),

@@ -112,7 +112,8 @@ def test_expert_layouts_that_would_send_tokens_twice_or_mix_them_are_named_error
     import jax.numpy as jnp
     from jaxtrain.kernels.moe import routed_experts
     from jaxtrain.parallel.activations import activation_sharding
-    from jaxtrain.parallel.rules import Rules, ShardingError
+    from jaxtrain.parallel.rules import Rules
+    from jaxtrain.errors import ShardingError
     rules = Rules.load("ep")
     rules.table["batch"] = batch_rule
     mesh = jax.make_mesh((1, 1, 2, 1, 4), cfglib.MESH_AXES)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from jaxtrain.cli import export as export_cli
-from jaxtrain.config import ConfigError
+from jaxtrain.errors import ConfigError
 from jaxtrain.metrics import sinks
 from jaxtrain.metrics.sinks import read_metrics
 from jaxtrain.train import fit

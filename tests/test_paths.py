@@ -3,7 +3,8 @@ before anything is built, for every path key."""
 import pytest
 
 from jaxtrain.cli import train as train_cli
-from jaxtrain.config import ConfigError, load
+from jaxtrain.config import load
+from jaxtrain.errors import ConfigError
 
 REMOTE_OK = "takes a local path, file://, gs:// or s3://"
 LOCAL_ONLY = "takes a local path or file://"

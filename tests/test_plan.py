@@ -4,7 +4,7 @@ import pytest
 from jaxtrain import config as cfglib
 from jaxtrain.analysis import collectives, explain, plan
 from jaxtrain.cli import plan as plan_cli
-from jaxtrain.config import ConfigError
+from jaxtrain.errors import ConfigError
 
 from conftest import SMALL
 

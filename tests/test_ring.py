@@ -9,6 +9,7 @@ from attention_helpers import assert_matches_reference, corpus_windows, inputs
 from conftest import put_windows
 from jaxtrain.analysis import collectives
 from jaxtrain.config import MESH_AXES
+from jaxtrain.errors import RingAttentionError
 from jaxtrain.kernels import ring
 from jaxtrain.parallel.activations import activation_sharding
 from jaxtrain.parallel.rules import Rules
@@ -40,7 +41,7 @@ def test_ring_equals_full_attention(n, data, causal, packed):
 
 def test_ring_rejects_indivisible_length():
     q, k, v, _ = inputs(1, 24, 24, 2, 2, 16)
-    with pytest.raises(ring.RingAttentionError, match="length 24 .* not divisible by 2 \\* mesh axis sequence = 16"):
+    with pytest.raises(RingAttentionError, match="length 24 .* not divisible by 2 \\* mesh axis sequence = 16"):
         jax.jit(ring_on(sequence_mesh(8)))(q, k, v)
 
 

@@ -9,9 +9,10 @@ import pytest
 from jaxtrain.metrics.sinks import read_metrics
 from jaxtrain.train import rundir
 from jaxtrain.train import fit
-from jaxtrain.checkpoint.checkpointer import CheckpointError
-from jaxtrain.config import ConfigError
-from jaxtrain.parallel.rules import Rules, ShardingError, check_mesh_used
+from jaxtrain.errors import CheckpointError
+from jaxtrain.errors import ConfigError
+from jaxtrain.parallel.rules import Rules, check_mesh_used
+from jaxtrain.errors import ShardingError
 from jaxtrain.train.sample import generate
 
 

@@ -3,9 +3,11 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain.config import ConfigError, MeshConfig
+from jaxtrain.config import MeshConfig
+from jaxtrain.errors import ConfigError
 from jaxtrain.parallel.mesh import build_mesh, resolve_sizes
-from jaxtrain.parallel.rules import Rules, ShardingError
+from jaxtrain.parallel.rules import Rules
+from jaxtrain.errors import ShardingError
 
 
 @pytest.fixture(scope="module")

@@ -3,10 +3,11 @@ import jax
 import pytest
 
 from jaxtrain import config as cfglib
-from jaxtrain.config import ConfigError
+from jaxtrain.errors import ConfigError
 from jaxtrain.metrics.console import Reporter
 from jaxtrain.models import registry
-from jaxtrain.parallel.rules import Rules, ShardingError, rule_sets
+from jaxtrain.parallel.rules import Rules, rule_sets
+from jaxtrain.errors import ShardingError
 from jaxtrain.train import setup
 
 from conftest import SMALL

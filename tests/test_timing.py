@@ -12,7 +12,8 @@ import pytest
 from jaxtrain.checkpoint.checkpointer import Checkpointer
 from jaxtrain.data import windows as windowslib
 from jaxtrain.models import family as familylib
-from jaxtrain.train import Hook, NonFiniteError, fit, setup
+from jaxtrain.train import Hook, fit, setup
+from jaxtrain.errors import NonFiniteError
 
 
 class Slow(Hook):

@@ -28,8 +28,10 @@ import jax
 
 from jaxtrain.analysis import collectives
 from jaxtrain.metrics import memory
-from jaxtrain.config import MESH_AXES, Config, ConfigError
-from jaxtrain.parallel.rules import Rules, ShardingError, rule_sets as shipped_rule_sets
+from jaxtrain.config import MESH_AXES, Config
+from jaxtrain.errors import ConfigError
+from jaxtrain.parallel.rules import Rules, rule_sets as shipped_rule_sets
+from jaxtrain.errors import ShardingError
 from jaxtrain.train.lm import family_of
 from jaxtrain.train.setup import setup, vocab_for
 

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import yaml
 
-from jaxtrain.config import ConfigError
+from jaxtrain.errors import ConfigError
 from jaxtrain.metrics.sinks import read_metrics
 
 PANELS = ("loss vs step", "loss vs {unit}", "learning rate", "gradient norm", "throughput ({unit}/s)", "MFU (%)")

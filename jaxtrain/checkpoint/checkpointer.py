@@ -49,9 +49,9 @@ from etils import epath
 from jaxtrain.checkpoint import integrity, retention, storage
 from jaxtrain.checkpoint import processes
 from jaxtrain.checkpoint.processes import agree, primary, sync
-from jaxtrain.checkpoint.integrity import CorruptCheckpointError, mismatches, tree_summary  # noqa: F401
+from jaxtrain.checkpoint.integrity import mismatches, tree_summary
 from jaxtrain.config import Config
-from jaxtrain.errors import InputError, JaxtrainError
+from jaxtrain.errors import CheckpointError, SaveTimeoutError, StorageError
 
 MARKER = "COMMIT.json"
 FORMAT = 2  # 2: the marker lists every file's size and CRC32C
@@ -60,18 +60,6 @@ _STEP_DIR = re.compile(r"^(\d+)(\.orbax-checkpoint-tmp.*)?$")
 _PENDING = re.compile(r"^(\d+)" + re.escape(PENDING) + "$")
 _SET_ASIDE = re.compile(r"^\d+\.corrupt\d*$")  # moved out of the way by checkpoint.fallback
 FIRST_NOTE_S, NOTE_EVERY_S = 5.0, 30.0  # progress lines while the loop waits for a save
-
-
-class CheckpointError(InputError, RuntimeError):
-    """A checkpoint cannot be saved or restored into the current run."""
-
-
-class SaveTimeoutError(JaxtrainError, RuntimeError):
-    """A save did not finish within ``checkpoint.save_timeout_s``. The process should exit at once
-    (``hard_exit``): Orbax's writer thread may never return."""
-
-    exit_code = 4
-    hard_exit = True
 
 
 def pending_name(step: int) -> str:
@@ -97,7 +85,7 @@ class Checkpointer:
         c = self.options = cfg.checkpoint
         try:
             self.store = storage.open_store(c.dir or str(Path(run_dir, "checkpoints").absolute()), c.s3_endpoint)
-        except storage.StorageError as err:
+        except StorageError as err:
             raise CheckpointError(str(err)) from None
         self.remote = isinstance(self.store, storage.S3Store)
         if self.remote:  # Orbax writes here; finished steps are uploaded, then removed

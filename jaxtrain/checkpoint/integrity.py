@@ -14,14 +14,10 @@ from typing import Any, Optional
 import google_crc32c
 import jax
 
-from jaxtrain.errors import InputError
 from jaxtrain.parallel.rules import path_str
+from jaxtrain.errors import CorruptCheckpointError
 
 CHUNK = 4 << 20
-
-
-class CorruptCheckpointError(InputError, RuntimeError):
-    """A committed checkpoint step's files differ from what its commit marker recorded."""
 
 
 def tree_summary(tree: Any) -> dict[str, list]:

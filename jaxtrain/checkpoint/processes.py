@@ -8,6 +8,7 @@ from typing import Any, Optional
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jaxtrain.errors import PeerSaveError
 
 
 def primary() -> bool:
@@ -19,10 +20,6 @@ def sync(name: str) -> None:
     """A barrier of every process (nothing with one)."""
     if jax.process_count() > 1:
         ocp.multihost.sync_global_processes(name)
-
-
-class PeerSaveError(RuntimeError):
-    """Another process of the job failed its part of a save (its own log says why)."""
 
 
 def agree(error: Optional[BaseException], what: str) -> Optional[BaseException]:
@@ -45,7 +42,7 @@ def check_shared(directory: Any, key: str) -> None:
     Raises:
       CheckpointError: on every process, naming the ones that do not see it.
     """
-    from jaxtrain.checkpoint.checkpointer import CheckpointError
+    from jaxtrain.errors import CheckpointError
     if jax.process_count() == 1 or str(directory).startswith(("gs://", "s3://")):
         return
     from jax.experimental import multihost_utils

@@ -23,10 +23,7 @@ from typing import Optional
 from etils import epath
 
 from jaxtrain.checkpoint import integrity
-
-
-class StorageError(RuntimeError):
-    """The checkpoint location cannot be used (missing library, missing bucket, bad URL)."""
+from jaxtrain.errors import StorageError
 
 
 def is_s3(path) -> bool:

@@ -40,7 +40,7 @@ def cli(body: Callable[[], Optional[int]]) -> int:
     a normal exit would wait for ever on the stuck writer thread. A SIGTERM/SIGINT during a training
     run's start-up (``jaxtrain.train.preempt.StartupInterrupted``) is exit 0: nothing was trained.
     """
-    from jaxtrain.train.preempt import StartupInterrupted
+    from jaxtrain.errors import StartupInterrupted
     try:
         return body() or 0
     except StartupInterrupted as stop:

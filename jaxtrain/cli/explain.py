@@ -30,7 +30,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _explain(args: argparse.Namespace) -> int:
     from jaxtrain.analysis.explain import explain
     from jaxtrain.analysis.plan import parse_bytes
-    from jaxtrain.config import MESH_AXES, ConfigError, load
+    from jaxtrain.config import MESH_AXES, load
+    from jaxtrain.errors import ConfigError
     overrides = list(args.overrides)
     if args.rules:
         if "," in args.rules:

@@ -28,7 +28,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from jaxtrain.analysis import plan
-    from jaxtrain.config import ConfigError, load
+    from jaxtrain.config import load
+    from jaxtrain.errors import ConfigError
     if not args.devices or args.devices < 1:
         raise ConfigError("--devices: give the number of devices to plan for, e.g. --devices 8")
     budget = plan.parse_bytes(args.device_memory) if args.device_memory else None

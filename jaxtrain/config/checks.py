@@ -8,10 +8,12 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Optional
 
-from jaxtrain.config.schema import MESH_AXES, SINKS, ConfigError, MeshConfig, OptimizerConfig
+from jaxtrain.config.base import MESH_AXES, SINKS
+from jaxtrain.errors import ConfigError
 
-if TYPE_CHECKING:
-    from jaxtrain.config.schema import Config
+if TYPE_CHECKING:  # annotations only: the schema imports this module
+    from jaxtrain.config.schema import Config, MeshConfig, OptimizerConfig
+
 
 
 def positive(key: str, value: int | float) -> None:

@@ -17,8 +17,8 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from jaxtrain.config.schema import (DEFAULT_FAMILY, Config, ConfigError, CustomModelConfig, ModelConfig,
-                                    family_config)
+from jaxtrain.config.schema import DEFAULT_FAMILY, Config, CustomModelConfig, ModelConfig, family_config
+from jaxtrain.errors import ConfigError
 
 
 def _section_class(annotation: Any, subtree: Any) -> Any:

@@ -11,7 +11,7 @@ import re
 from typing import Optional
 from urllib.parse import unquote
 
-from jaxtrain.config.schema import ConfigError
+from jaxtrain.errors import ConfigError
 
 REMOTE = ("gs", "s3")
 # key -> the remote schemes it supports (none: local only)

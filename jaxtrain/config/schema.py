@@ -13,67 +13,26 @@ byte-level on the running interpreter's standard library (``data.path: stdlib``)
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, field_validator, model_validator
+from pydantic import Field, SerializeAsAny, field_validator, model_validator
 
-from jaxtrain.errors import InputError
-
-MESH_AXES = ("data", "fsdp", "tensor", "sequence", "expert")
-SINKS = ("console", "jsonl", "tensorboard", "mlflow", "wandb")  # metrics.sinks (jaxtrain.metrics.sinks)
-DEFAULT_FAMILY = "llama"
-
-
-class ConfigError(InputError, ValueError):
-    """A config key, type or value is wrong. The message names the key."""
-
-
-class _Section(BaseModel):
-    # strict: no bool -> int or 2.5 -> int coercion (ints are still accepted for floats).
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True)
-
+from jaxtrain.config.base import (DEFAULT_FAMILY, MESH_AXES, SINKS, CustomModelConfig, ModelConfig,  # noqa: F401
+                                  Section)
+from jaxtrain.config.checks import check_consistency
+from jaxtrain.config.paths import normalize
+from jaxtrain.errors import ConfigError
 
 def _path_key(key: str):
     """A 'before' validator of the path key ``section.field``: ``file://`` made local, unsupported
     schemes refused naming the key (``jaxtrain.config.paths``)."""
     def check(cls, value: Any) -> Any:
-        from jaxtrain.config.paths import normalize
         if isinstance(value, str):
             return normalize(key, value)
         if isinstance(value, dict):  # data.mixture: {path: weight}
             return {normalize(key, k) if isinstance(k, str) else k: v for k, v in value.items()}
         return value
     return field_validator(key.split(".")[1], mode="before")(classmethod(check))
-
-
-class ModelConfig(_Section):
-    """Base of every ``model:`` section; a family's config class subclasses it.
-
-    A subclass fixes ``family`` to its name with a ``Literal``, adds its hyper-parameters,
-    and may override :meth:`check` and :meth:`check_against_mesh` (raising ConfigError
-    naming ``model.<key>``). ``layout_keys`` are its fields that fix parameter shapes,
-    dtypes or layout: they are named when a checkpoint no longer fits the config.
-    """
-
-    family: str = DEFAULT_FAMILY
-    layout_keys: ClassVar[tuple[str, ...]] = ()
-
-    def check(self, cfg: "Config") -> None:
-        """Value checks that need no devices (run whenever a Config is validated)."""
-
-    def check_against_mesh(self, cfg: "Config", axis_sizes: dict[str, int], platform: Optional[str]) -> None:
-        """Checks against the resolved mesh axis sizes and the devices' platform, before compiling."""
-
-
-class CustomModelConfig(ModelConfig):
-    """``model.family: custom``: the model is built in Python and given to ``jaxtrain.fit``.
-
-    ``options`` holds that model's own hyper-parameters (recorded in the run directory,
-    overridable as ``model.options.<name>=value``); their meaning is the caller's.
-    """
-
-    family: Literal["custom"] = "custom"
-    options: dict[str, Union[bool, int, float, str]] = {}
 
 
 def family_config(family: str) -> type[ModelConfig]:
@@ -84,7 +43,7 @@ def family_config(family: str) -> type[ModelConfig]:
     return registry.config_class(family)
 
 
-class MeshConfig(_Section):
+class MeshConfig(Section):
     """Device-mesh axis sizes; at most one may be -1 (filled from the device count)."""
 
     data: int = -1
@@ -98,7 +57,7 @@ class MeshConfig(_Section):
 Candidate = Optional[Union[str, list[str]]]
 
 
-class ShardingConfig(_Section):
+class ShardingConfig(Section):
     rules: str = "fsdp_tp"  # a name in sharding_rules/ or a path to a YAML file
     _rules_path = _path_key("sharding.rules")
     allow_fallback: bool = False  # replicate indivisible dims (reported) instead of failing
@@ -107,7 +66,7 @@ class ShardingConfig(_Section):
     extra_rules: dict[str, list[Candidate]] = {}
 
 
-class DataConfig(_Section):
+class DataConfig(Section):
     path: str = "stdlib"  # file, glob, 'stdlib' (the interpreter's Lib/*.py), or a prepared token cache
     tokenizer: Literal["char", "byte", "hf", "sentencepiece"] = "byte"
     seq_len: int = 128
@@ -130,7 +89,7 @@ class DataConfig(_Section):
     _tokenizer_path = _path_key("data.tokenizer_path")
 
 
-class OptimizerConfig(_Section):
+class OptimizerConfig(Section):
     """AdamW with global-norm clipping, linear warmup then cosine decay to ``min_lr``."""
 
     lr: float = 1e-3
@@ -148,7 +107,7 @@ class OptimizerConfig(_Section):
     master_weights: bool = True
 
 
-class TrainConfig(_Section):
+class TrainConfig(Section):
     steps: int = 300
     global_batch: int = 16  # sequences per optimizer step, over all devices
     grad_accum: int = 1  # micro-batches per step; micro-batch = global_batch / grad_accum
@@ -167,7 +126,7 @@ class TrainConfig(_Section):
     hang_timeout_s: Optional[float] = None
 
 
-class CheckpointConfig(_Section):
+class CheckpointConfig(Section):
     enabled: bool = True
     every: int = 100
     keep: int = 3
@@ -190,7 +149,7 @@ class CheckpointConfig(_Section):
     _dir = _path_key("checkpoint.dir")
 
 
-class RunConfig(_Section):
+class RunConfig(Section):
     dir: str = "runs/default"
     progress: bool = True  # rich progress bar with ETA
     # glibc keeps freed buffers up to 1 GiB for reuse (jaxtrain.train.host_memory): XLA:CPU allocates a
@@ -199,7 +158,7 @@ class RunConfig(_Section):
     _dir = _path_key("run.dir")
 
 
-class MetricsConfig(_Section):
+class MetricsConfig(Section):
     """Where metric rows go (``jaxtrain.metrics.sinks``); process 0 writes them."""
 
     sinks: list[str] = ["console", "jsonl"]  # any of SINKS
@@ -209,15 +168,14 @@ class MetricsConfig(_Section):
     wandb_mode: Literal["offline", "online"] = "offline"  # offline: files in RUN_DIR/wandb, nothing sent
 
 
-class ProfileConfig(_Section):
+class ProfileConfig(Section):
     """A jax.profiler trace of steps [start_step, start_step + steps) written to <run.dir>/profile."""
 
     start_step: int = 5  # after compile and warm-up
     steps: int = 0  # 0: no trace
 
 
-
-class DistributedConfig(_Section):
+class DistributedConfig(Section):
     """Multi-process start-up (``jax.distributed``; ``jaxtrain.parallel.distributed``).
 
     ``auto`` starts it when the environment names several processes: these keys, else
@@ -235,7 +193,7 @@ class DistributedConfig(_Section):
     stop_check_every: int = 1  # steps between the all-reduces that agree on a SIGTERM/SIGINT stop
 
 
-class Config(_Section):
+class Config(Section):
     model: SerializeAsAny[ModelConfig] = Field(default_factory=lambda: family_config(DEFAULT_FAMILY)())
     mesh: MeshConfig = MeshConfig()
     sharding: ShardingConfig = ShardingConfig()
@@ -261,7 +219,6 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> "Config":
-        from jaxtrain.config.checks import check_consistency
         check_consistency(self)
         return self
 

@@ -5,6 +5,6 @@
 """
 from jaxtrain.data.arrays import ArrayData
 from jaxtrain.data.corpus import Data, load, vocab_size
-from jaxtrain.data.tokenizers import DataError
+from jaxtrain.errors import DataError
 
 __all__ = ["ArrayData", "Data", "DataError", "load", "vocab_size"]

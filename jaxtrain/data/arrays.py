@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 
 from jaxtrain.config import Config
 from jaxtrain.data import multihost
-from jaxtrain.data.tokenizers import DataError
+from jaxtrain.errors import DataError
 
 
 class BatchIterator:

@@ -14,7 +14,8 @@ from jax.sharding import NamedSharding
 
 from jaxtrain.config import Config
 from jaxtrain.data import arrays, packing, pipeline, sources, store, windows
-from jaxtrain.data.tokenizers import DataError, Tokenizer, from_json, identity, make_tokenizer, special_ids
+from jaxtrain.data.tokenizers import Tokenizer, from_json, identity, make_tokenizer, special_ids
+from jaxtrain.errors import DataError
 
 
 @dataclass

@@ -27,7 +27,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxtrain.data import multihost, packing
-from jaxtrain.data.tokenizers import DataError
+from jaxtrain.errors import DataError
 
 
 class Schedule:

@@ -26,7 +26,8 @@ import numpy as np
 from jaxtrain.config import Config
 from jaxtrain.data import sources, store
 from jaxtrain.data.corpus import read_texts
-from jaxtrain.data.tokenizers import DataError, identity, make_tokenizer, special_ids
+from jaxtrain.data.tokenizers import identity, make_tokenizer, special_ids
+from jaxtrain.errors import DataError
 
 
 def prepare(cfg: Config, out: str, docs_per_shard: int = 100_000, progress: bool = True) -> dict:

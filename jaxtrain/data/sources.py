@@ -21,7 +21,7 @@ import threading
 from pathlib import Path
 from typing import Optional, Union
 
-from jaxtrain.data.tokenizers import DataError
+from jaxtrain.errors import DataError
 
 REMOTE = ("gs://", "s3://")
 FORMATS = ("text", "jsonl", "parquet", "arrayrecord")

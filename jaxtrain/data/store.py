@@ -14,7 +14,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from jaxtrain.data.tokenizers import DataError, HFTokenizer, Tokenizer, identity
+from jaxtrain.data.tokenizers import HFTokenizer, Tokenizer, identity
+from jaxtrain.errors import DataError
 
 CACHE_META = "cache.json"
 CACHE_FORMAT = "jaxtrain-token-cache"

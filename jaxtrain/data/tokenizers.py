@@ -18,13 +18,9 @@ from typing import Callable, Optional, Union
 import numpy as np
 
 from jaxtrain.config.schema import DataConfig
-from jaxtrain.errors import InputError
+from jaxtrain.errors import DataError
 
 TOKENIZER_FILE = "tokenizer.json"
-
-
-class DataError(InputError, ValueError):
-    """Bad input data: a missing path, a corpus too short, a malformed record, a tokenizer mismatch."""
 
 
 class ByteTokenizer:

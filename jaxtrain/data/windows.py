@@ -19,7 +19,8 @@ import numpy as np
 
 from jaxtrain.config import Config
 from jaxtrain.data import sources
-from jaxtrain.data.tokenizers import DataError, Tokenizer, identity, make_tokenizer
+from jaxtrain.data.tokenizers import Tokenizer, identity, make_tokenizer
+from jaxtrain.errors import DataError
 
 
 def corpus_files(path: str) -> list[Path]:

@@ -23,7 +23,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxtrain.config import Config, ConfigError
+from jaxtrain.config import Config
+from jaxtrain.errors import ConfigError
 from jaxtrain.data import ArrayData
 from jaxtrain.parallel.activations import constrain
 from jaxtrain.train.spec import ModelSpec

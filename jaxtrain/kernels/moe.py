@@ -45,7 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain.kernels import target
 from jaxtrain.parallel.activations import active_sharding
-from jaxtrain.parallel.rules import ShardingError
+from jaxtrain.errors import ShardingError
 
 
 def _grouped_swiglu(rows: jax.Array, expert: jax.Array, w_gate, w_up, w_down) -> jax.Array:

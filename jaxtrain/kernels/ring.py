@@ -30,12 +30,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain.kernels import reference
 from jaxtrain.parallel.activations import active_sharding
+from jaxtrain.errors import RingAttentionError
 
 F32 = jnp.float32
-
-
-class RingAttentionError(ValueError):
-    """Ring attention cannot run with these shapes/rules (names the dimension and axis)."""
 
 
 # ------------------------------------------------------------------ per-block math (f32)

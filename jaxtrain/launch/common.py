@@ -16,21 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from jaxtrain.errors import InputError, JaxtrainError
+from jaxtrain.errors import LaunchError
 
 TARGETS = {"gke": "GKE JobSet", "vertex": "Vertex AI CustomJob", "slurm": "SLURM sbatch script"}
 INSTALL_HINT = "pip install 'jaxtrain[launch]'"
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-
-class LaunchError(InputError):
-    """Bad launcher input (a flag, the config, a missing client library): nothing was submitted. Exit 2."""
-
-
-class SubmitError(JaxtrainError):
-    """The scheduler or API refused or failed the submission (an HTTP 4xx/5xx, sbatch failing). Exit 1."""
-
-    exit_code = 1
 
 
 @dataclass

@@ -19,8 +19,8 @@ import re
 
 import yaml
 
-from jaxtrain.launch.common import (Job, LaunchError, SubmitError, accelerator_count, add_container_args,
-                                    connection_reason, nonnegative_int, require)
+from jaxtrain.launch.common import Job, accelerator_count, add_container_args, connection_reason, nonnegative_int, require
+from jaxtrain.errors import LaunchError, SubmitError
 
 GROUP, VERSION, PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"
 REPLICATED_JOB = "workers"  # short: it is part of every pod's host name (63 characters at most)

@@ -20,6 +20,11 @@ from jaxtrain.config import Config
 ARTIFACTS = ("config.yaml", "versions.json", "tokenizer.json")  # what a run directory says about itself
 
 
+def tracking_uri(cfg: Config) -> Optional[str]:
+    """``metrics.mlflow_tracking_uri``, else ``$MLFLOW_TRACKING_URI``."""
+    return cfg.metrics.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or None
+
+
 def scalars(values: dict[str, Any]) -> Iterator[tuple[str, float]]:
     """(tag, value) for every finite-or-not number of a row, tagged by the row's group."""
     if "val_loss" in values:
@@ -140,7 +145,6 @@ class MlflowSink:
     def __init__(self, cfg: Config, run_dir: Path, warn: Optional[Callable[[str], None]] = None):
         quiet_mlflow()
         from mlflow import MlflowClient
-        from jaxtrain.metrics.sinks import tracking_uri
         self.run_dir = Path(run_dir)
         self.client = MlflowClient(tracking_uri(cfg))
         id_file = self.run_dir / "mlflow_run_id"

@@ -19,8 +19,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
 
-from jaxtrain.config import Config, ConfigError
+from jaxtrain.config import Config
+from jaxtrain.errors import ConfigError
 from jaxtrain.metrics.console import Reporter
+from jaxtrain.metrics.external import tracking_uri
 
 TRAIN_KEYS = ("loss", "lr", "grad_norm", "step_time_s", "mfu", "nonfinite_steps", "data_wait_s",
               "checkpoint_block_s", "compile_s")
@@ -181,11 +183,6 @@ def check(cfg: Config) -> None:
     if "mlflow" in cfg.metrics.sinks and not tracking_uri(cfg):
         raise ConfigError("metrics.mlflow_tracking_uri: the mlflow sink needs a tracking server "
                           "(set it, or $MLFLOW_TRACKING_URI, e.g. http://127.0.0.1:5000)")
-
-
-def tracking_uri(cfg: Config) -> Optional[str]:
-    """``metrics.mlflow_tracking_uri``, else ``$MLFLOW_TRACKING_URI``."""
-    return cfg.metrics.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or None
 
 
 class Sinks:

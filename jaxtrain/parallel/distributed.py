@@ -385,7 +385,7 @@ def primary_first(name: str, fn: Callable[[], object], others: Callable[[], obje
 
 def _same_error(cls_name: str, message: str) -> JaxtrainError:
     from jaxtrain import errors
-    from jaxtrain.config import ConfigError
-    from jaxtrain.checkpoint.checkpointer import CheckpointError
+    from jaxtrain.errors import ConfigError
+    from jaxtrain.errors import CheckpointError
     known = {c.__name__: c for c in (ConfigError, CheckpointError, errors.InputError, JaxtrainError)}
     return known.get(cls_name, InputError)(message)

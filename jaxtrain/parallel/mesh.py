@@ -9,7 +9,8 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from jaxtrain.config import MESH_AXES, ConfigError, MeshConfig
+from jaxtrain.config import MESH_AXES, MeshConfig
+from jaxtrain.errors import ConfigError
 
 
 def resolve_sizes(mesh_cfg: MeshConfig, n_devices: int) -> dict[str, int]:

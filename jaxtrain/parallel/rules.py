@@ -37,15 +37,12 @@ import jax
 import yaml
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxtrain.config import MESH_AXES, ConfigError, ShardingConfig, resolve_resource
+from jaxtrain.config import MESH_AXES, ShardingConfig, resolve_resource
+from jaxtrain.errors import ConfigError
 from jaxtrain.config.loading import UniqueKeyLoader, resource_roots
-from jaxtrain.errors import InputError
+from jaxtrain.errors import ShardingError
 
 Candidate = Optional[tuple[str, ...]]  # None = replicate explicitly
-
-
-class ShardingError(InputError, ValueError):
-    """A logical->mesh mapping that cannot be honoured without silent replication."""
 
 
 @dataclass

@@ -12,7 +12,8 @@ from typing import Any, Optional, Sequence
 import jax
 from jax.sharding import NamedSharding
 
-from jaxtrain.checkpoint.checkpointer import Checkpointer, CheckpointError, CorruptCheckpointError
+from jaxtrain.checkpoint.checkpointer import Checkpointer
+from jaxtrain.errors import CheckpointError, CorruptCheckpointError
 from jaxtrain.config import Config
 from jaxtrain.data import tokenizers
 from jaxtrain.metrics import flops

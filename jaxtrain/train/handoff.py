@@ -22,23 +22,18 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from jaxtrain.checkpoint.checkpointer import Checkpointer, CheckpointError
-from jaxtrain.config import ConfigError, load
-from jaxtrain.errors import JaxtrainError
+from jaxtrain.checkpoint.checkpointer import Checkpointer
+from jaxtrain.errors import CheckpointError
+from jaxtrain.config import load
+from jaxtrain.errors import ConfigError
 from jaxtrain.metrics.external import quiet_mlflow
-from jaxtrain.metrics.sinks import read_metrics, tracking_uri
+from jaxtrain.metrics.external import tracking_uri
+from jaxtrain.metrics.sinks import read_metrics
 from jaxtrain.train import hf
+from jaxtrain.errors import RegistryError
 
 
 READY_TIMEOUT_S = 300.0  # default wait for a new version to leave PENDING_REGISTRATION
-
-
-class RegistryError(JaxtrainError):
-    """The registry did not take the version as exported: it ended FAILED_REGISTRATION, was not
-    READY in time, or its files differ from the export. The alias was not moved. Exit 1: the
-    service failed, not the input (as a launcher's SubmitError)."""
-
-    exit_code = 1
 
 
 def lineage(run_dir: Path, step: int, committed: dict) -> dict[str, str]:

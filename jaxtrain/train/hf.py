@@ -27,8 +27,10 @@ import numpy as np
 import yaml
 from pydantic import BaseModel
 
-from jaxtrain.checkpoint.checkpointer import Checkpointer, CheckpointError, CorruptCheckpointError
-from jaxtrain.config import Config, ConfigError, from_dict, load
+from jaxtrain.checkpoint.checkpointer import Checkpointer
+from jaxtrain.errors import CheckpointError, CorruptCheckpointError
+from jaxtrain.config import Config, from_dict, load
+from jaxtrain.errors import ConfigError
 from jaxtrain.config.loading import UniqueKeyLoader, resolve_resource
 from jaxtrain.data import tokenizers
 from jaxtrain.models import registry

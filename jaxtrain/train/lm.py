@@ -14,7 +14,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from jaxtrain.config import Config, ConfigError
+from jaxtrain.config import Config
+from jaxtrain.errors import ConfigError
 from jaxtrain.models import registry
 from jaxtrain.models.family import Family
 from jaxtrain.train.spec import ModelSpec

@@ -14,22 +14,15 @@ from typing import Any, Iterator, Optional, Sequence
 import jax
 import numpy as np
 
-from jaxtrain.errors import JaxtrainError
 from jaxtrain.metrics.console import Reporter
 from jaxtrain.metrics.sinks import Sinks
 from jaxtrain.train.setup import Setup
+from jaxtrain.errors import NonFiniteError
 
 
 # Train steps dispatched but not finished: XLA:CPU deadlocks on ~100 unread multi-device programs in
 # flight, and more than two buys no overlap that two do not.
 MAX_IN_FLIGHT = 2
-
-
-class NonFiniteError(JaxtrainError):
-    """The run diverged: ``train.max_nonfinite_steps`` steps in a row had a non-finite loss or
-    gradient, every step of the run was skipped, or the validation loss is not finite."""
-
-    exit_code = 3
 
 
 def stop_diverged(ckpt: Any, message: str) -> None:

@@ -19,6 +19,7 @@ import time
 from typing import Callable, Optional
 
 import numpy as np
+from jaxtrain.errors import StartupInterrupted
 
 GRACE_EXPIRED_EXIT = 75  # EX_TEMPFAIL: the job may be retried
 
@@ -183,21 +184,6 @@ class StopAgreement:
     def pending(self):
         """The exchange in flight (a device array), for the hang watchdog."""
         return self._pending
-
-
-class StartupInterrupted(BaseException):
-    """SIGTERM/SIGINT arrived while a training run was starting (before its first step).
-
-    Raised by :func:`check_startup` at the start-up's phase boundaries, never from inside the signal
-    handler (an exception there can land inside a native import). A BaseException, so no ``except
-    Exception`` on the way swallows it; the command line turns it into exit code 0 with a line
-    saying nothing was trained.
-    """
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-        self.name = signal.Signals(signum).name
 
 
 STARTUP_EXIT_AFTER_S = 3.0  # a phase that runs on (compiling, a large read) is not waited for longer

@@ -17,7 +17,8 @@ from typing import Any, Iterator
 
 import yaml
 
-from jaxtrain.config import Config, ConfigError
+from jaxtrain.config import Config
+from jaxtrain.errors import ConfigError
 
 PACKAGES = ("jaxtrain", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "tensorstore",
             "numpy", "pydantic")

@@ -24,9 +24,11 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxtrain.config import Config, ConfigError
+from jaxtrain.config import Config
+from jaxtrain.errors import ConfigError
 from jaxtrain.parallel.activations import activation_sharding
-from jaxtrain.parallel.rules import Rules, ShardingError, path_str, tree_shardings
+from jaxtrain.parallel.rules import Rules, path_str, tree_shardings
+from jaxtrain.errors import ShardingError
 from jaxtrain.train.optimizer import applied_count, hyperparameters, learning_rate, optimizer
 from jaxtrain.train.spec import ModelSpec
 

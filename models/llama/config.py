@@ -7,7 +7,8 @@ from typing import ClassVar, Literal, Optional
 from pydantic import BaseModel, ConfigDict
 
 from jaxtrain.config.checks import positive
-from jaxtrain.config.schema import ConfigError, ModelConfig
+from jaxtrain.config.base import ModelConfig
+from jaxtrain.errors import ConfigError
 
 
 class RopeScaling(BaseModel):

@@ -35,7 +35,7 @@ from typing import Any, ClassVar, Optional
 import jax
 import numpy as np
 
-from jaxtrain.config.schema import ConfigError
+from jaxtrain.errors import ConfigError
 from jaxtrain.models.llama.config import LlamaConfig, RopeScaling
 
 # config.json keys that change nothing jaxtrain computes (ids, caching, init, bookkeeping).

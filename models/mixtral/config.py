@@ -6,7 +6,7 @@ import math
 from typing import ClassVar, Literal, Optional
 
 from jaxtrain.config.checks import positive
-from jaxtrain.config.schema import ConfigError
+from jaxtrain.errors import ConfigError
 from jaxtrain.models.llama.config import LlamaConfig
 
 

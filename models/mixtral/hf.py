@@ -34,7 +34,7 @@ from typing import Optional
 
 import numpy as np
 
-from jaxtrain.config.schema import ConfigError
+from jaxtrain.errors import ConfigError
 from jaxtrain.models.llama.hf import DecoderHF, _Reader
 
 

@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtrain.config import ConfigError, ModelConfig
+from jaxtrain.config import ModelConfig
+from jaxtrain.errors import ConfigError
 from jaxtrain.models.family import Family
 from jaxtrain.parallel.activations import constrain
 

@@ -103,15 +103,16 @@ class Job:
             self.procs.append(proc)
             self.lines.append(lines)
 
-    def phase(self) -> str:
-        """Where process 0 is, from its last lines: what a kill now lands in."""
-        text = "".join(self.lines[0][-6:])
-        if "checkpoint" in text and "saved" not in text and "step " in text:
-            return "saving"
-        for needle, name in (("compiled train step", "training"), ("resumed from", "restored"),
-                             ("step ", "training"), ("joined", "start-up"), ("run directory", "start-up")):
-            if needle in text:
-                return name
+    def phase(self, restorable: bool) -> str:
+        """Where process 0 is, from what it has printed: what a kill now lands in (before saves are
+        told apart by what they leave behind, see :func:`landed`)."""
+        text = "".join(self.lines[0])
+        if "compiled train step" in text:
+            return "training"
+        if "joined" not in text:
+            return "before the join"
+        if restorable and "resumed from" not in text:
+            return "restore"
         return "start-up"
 
     def wait(self, timeout: float) -> bool:
@@ -133,7 +134,21 @@ class Job:
         return "".join(self.lines[i])
 
 
-def trial(job: Job, rng: random.Random, window: float) -> dict:
+def unfinished(endpoint: str, prefix: str, run_dir: Path) -> bool:
+    """Whether a save was under way: a step on S3 without its commit marker, or staged files left."""
+    import s3fs
+    fs = s3fs.S3FileSystem(endpoint_url=endpoint, use_listings_cache=False, skip_instance_cache=True)
+    try:
+        names = [p.rsplit("/", 1)[-1] for p in fs.ls(f"{BUCKET}/{prefix}", refresh=True)]
+    except FileNotFoundError:
+        names = []
+    done = {str(s) for s in committed_s3(endpoint, prefix)}
+    on_s3 = [n for n in names if n[0].isdigit() and n not in done]
+    staged = run_dir / "checkpoints_staging"
+    return bool(on_s3) or (staged.is_dir() and any(p.name[0].isdigit() for p in staged.iterdir()))
+
+
+def trial(job: Job, rng: random.Random, window: float, restorable: bool) -> dict:
     """Kills one random process or all of them after a random delay; returns what happened."""
     mode = rng.choice(["one", "one", "all"])
     delay = rng.uniform(1.0, window)
@@ -141,7 +156,7 @@ def trial(job: Job, rng: random.Random, window: float) -> dict:
     if all(p.poll() is not None for p in job.procs):
         return {"killed": [], "phase": "finished first", "delay": delay}
     victims = [rng.randrange(len(job.procs))] if mode == "one" else list(range(len(job.procs)))
-    phase = job.phase()
+    phase = job.phase(restorable)
     for i in victims:
         if job.procs[i].poll() is None:
             job.procs[i].send_signal(signal.SIGKILL)
@@ -170,8 +185,11 @@ def run(args: argparse.Namespace) -> dict:
                 series += 1
                 run_dir, expected = workdir / f"series{series}", []
             job = Job(run_dir, f"series{series}", args, endpoint, args.data)
-            what = {"killed": [], "phase": "ran to completion", "delay": 0.0} if final else trial(job, rng, window)
+            what = ({"killed": [], "phase": "ran to completion", "delay": 0.0} if final
+                    else trial(job, rng, window, bool(expected)))
             ended = job.wait(SURVIVOR_LIMIT_S if what["killed"] else 900)
+            if what["killed"] and what["phase"] == "training" and unfinished(endpoint, f"series{series}", run_dir):
+                what["phase"] = "training, a save or upload under way"
             codes = [p.returncode for p in job.procs]
             resumed = re.search(r"resumed from \S+/(\d+)", job.output())
             got = int(resumed.group(1)) if resumed else None

@@ -28,7 +28,8 @@ import jax  # noqa: E402
 
 from jaxtrain import config as cfglib  # noqa: E402
 from jaxtrain.metrics import flops  # noqa: E402
-from jaxtrain.train import host_memory, setup  # noqa: E402
+from jaxtrain.runtime import host_memory  # noqa: E402
+from jaxtrain.train import setup  # noqa: E402
 from jaxtrain.train.step import count_params  # noqa: E402
 
 
@@ -56,7 +57,7 @@ class JaxBench:
 
     def __init__(self, config: str | None, overrides: list[str], n_batches: int = 8):
         self.cfg = cfg = cfglib.load(config, with_corpus(overrides))
-        if cfg.run.reuse_host_memory:  # the same process settings as the trainer (jaxtrain.train.fit)
+        if cfg.run.reuse_host_memory:  # the same process settings as the trainer (jaxtrain.train.trainer)
             host_memory.reuse_freed_memory()
         s = setup(cfg, jax.devices(), load_data=True)  # the trainer's own setup, checks and data pipeline
         it = s.data.iterator(s.fns.batch_sharding)  # batch dicts on the mesh

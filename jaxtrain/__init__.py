@@ -8,8 +8,8 @@ the config's mesh and rules; ``jaxtrain.load_config(file, overrides)`` reads a c
 
 __version__ = "0.1.0"
 
-_API = {"fit": ("jaxtrain.train.fit", "fit"), "setup": ("jaxtrain.train.setup", "setup"),
-        "ModelSpec": ("jaxtrain.train.spec", "ModelSpec"), "ArrayData": ("jaxtrain.data.arrays", "ArrayData"),
+_API = {"fit": ("jaxtrain.train.trainer", "fit"), "setup": ("jaxtrain.train.assembly", "setup"),
+        "ModelSpec": ("jaxtrain.train.model_spec", "ModelSpec"), "ArrayData": ("jaxtrain.data.arrays", "ArrayData"),
         "load_config": ("jaxtrain.config.loading", "load")}
 
 

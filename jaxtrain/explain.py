@@ -1,7 +1,7 @@
-"""``python -m jaxtrain.explain``: the command line of ``jaxtrain.cli.explain``."""
+"""``python -m jaxtrain.explain``: the command line of ``jaxtrain.analysis.explain``."""
 import sys
 
-from jaxtrain.cli.explain import main
+from jaxtrain.analysis.explain import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,7 +1,7 @@
-"""``python -m jaxtrain.plan``: the command line of ``jaxtrain.cli.plan``."""
+"""``python -m jaxtrain.plan``: the command line of ``jaxtrain.analysis.plan``."""
 import sys
 
-from jaxtrain.cli.plan import main
+from jaxtrain.analysis.plan import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,7 +1,7 @@
-"""``python -m jaxtrain.report``: the command line of ``jaxtrain.cli.report``."""
+"""``python -m jaxtrain.report``: the command line of ``jaxtrain.analysis.report``."""
 import sys
 
-from jaxtrain.cli.report import main
+from jaxtrain.analysis.report import main
 
 if __name__ == "__main__":
     sys.exit(main())

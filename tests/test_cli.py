@@ -6,7 +6,8 @@ import pytest
 
 from jaxtrain import config as cfglib
 from jaxtrain.analysis.explain import explain
-from jaxtrain.cli import explain as explain_cli, export as export_cli, plan as plan_cli, prepare as prepare_cli
+from jaxtrain.analysis import explain as explain_cli, plan as plan_cli
+from jaxtrain.cli import export as export_cli, prepare as prepare_cli
 from jaxtrain.cli import train as train_cli
 from jaxtrain.errors import ConfigError
 from jaxtrain.examples import digits
@@ -43,8 +44,8 @@ def test_explain_takes_one_rule_set_and_reads_the_memory_budget(capsys):
 def test_console_scripts_are_registered():
     scripts = {e.name: e.value for e in metadata.entry_points(group="console_scripts") if e.name.startswith("jaxtrain")}
     assert scripts == {"jaxtrain-train": "jaxtrain.cli.train:main", "jaxtrain-export": "jaxtrain.cli.export:main",
-                       "jaxtrain-plan": "jaxtrain.cli.plan:main", "jaxtrain-explain": "jaxtrain.cli.explain:main",
-                       "jaxtrain-prepare": "jaxtrain.cli.prepare:main", "jaxtrain-report": "jaxtrain.cli.report:main",
+                       "jaxtrain-plan": "jaxtrain.analysis.plan:main", "jaxtrain-explain": "jaxtrain.analysis.explain:main",
+                       "jaxtrain-prepare": "jaxtrain.cli.prepare:main", "jaxtrain-report": "jaxtrain.analysis.report:main",
                        "jaxtrain-digits": "jaxtrain.examples.digits:main", "jaxtrain-launch": "jaxtrain.launch:main"}
 
 

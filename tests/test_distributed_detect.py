@@ -1,4 +1,4 @@
-"""How a process learns the job's shape (jaxtrain.parallel.distributed.detect): config keys, the
+"""How a process learns the job's shape (jaxtrain.runtime.job.detect): config keys, the
 JAXTRAIN_* / Indexed Job environment, Vertex AI's CLUSTER_SPEC, SLURM and TPU pods; exact errors."""
 import json
 
@@ -6,7 +6,7 @@ import pytest
 
 from jaxtrain.config.schema import DistributedConfig
 from jaxtrain.errors import InputError
-from jaxtrain.parallel.distributed import Plan, detect
+from jaxtrain.runtime.job import Plan, detect
 
 VERTEX = {"cluster": {"workerpool0": ["chief-0:2222"], "workerpool1": ["w-0:2222", "w-1:2222", "w-2:2222"]},
           "task": {"type": "workerpool1", "index": 2}}

@@ -12,7 +12,7 @@ import pytest
 from safetensors import safe_open
 
 from jaxtrain.checkpoint import checkpointer as ckptlib
-from jaxtrain.train import hf as exportlib
+from jaxtrain.interop import hf as exportlib
 from jaxtrain.cli import export as export_cli
 from jaxtrain.errors import ConfigError
 from jaxtrain.models import registry
@@ -299,7 +299,7 @@ def test_exports_of_one_step_are_byte_identical(small_cfg, tmp_path):
     header = json.loads(shard[8:8 + struct.unpack("<Q", shard[:8])[0]])
     assert list(header)[0] == "__metadata__" and header["__metadata__"] == {"format": "pt", "jaxtrain_step": "3"}
     assert list(header["__metadata__"]) == ["format", "jaxtrain_step"]
-    from jaxtrain.train.hf_files import write_weights
+    from jaxtrain.interop.hf_files import write_weights
     tensors = {"b": np.arange(6, dtype=np.float32).reshape(2, 3), "a": np.ones(4, jnp.bfloat16)}
     meta = {"zeta": "1", "format": "pt", "alpha": "2", "jaxtrain_step": "3"}  # 24 orders a HashMap may pick
     seen = set()
@@ -313,7 +313,7 @@ def test_exports_of_one_step_are_byte_identical(small_cfg, tmp_path):
 
 
 def test_shard_sizes():
-    from jaxtrain.train.hf_files import parse_size
+    from jaxtrain.interop.hf_files import parse_size
     assert [parse_size(s) for s in ("5GB", "2GiB", "200KB", "1.5MB", "123", 7)] == [
         5 * 10 ** 9, 2 * 2 ** 30, 200_000, 1_500_000, 123, 7]
     for bad in ("5 parsecs", "0", "-1KB"):

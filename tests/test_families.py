@@ -14,7 +14,8 @@ from jaxtrain.analysis.explain import explain
 from jaxtrain.errors import CheckpointError
 from jaxtrain.errors import ConfigError
 from jaxtrain.models import attention, registry
-from jaxtrain.train import fit, hf
+from jaxtrain.interop import hf
+from jaxtrain.train import fit
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["model.family=tinylm", "model.width=32", "model.hidden=64", "data.tokenizer=byte", "data.seq_len=32",

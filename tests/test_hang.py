@@ -18,8 +18,8 @@ from jaxtrain.train import Hook, fit
 HANG = """
 import ctypes, sys, threading
 import jax, jax.numpy as jnp
-from jaxtrain.train import preempt
-preempt.during_startup()
+from jaxtrain.runtime import signals
+signals.during_startup()
 from jaxtrain.models import family
 calls, libc, mutex = [0], ctypes.CDLL(None), ctypes.create_string_buffer(64)  # a default pthread mutex
 def host(x):
@@ -71,7 +71,7 @@ def test_a_hung_step_ends_with_the_named_error_and_every_threads_stack(tmp_path,
     assert message, out
     assert message.group(1) == "3" and int(message.group(2)) >= 4
     text = stacks.read_text()
-    assert re.search(r'File ".*hang\.py", line \d+ in host\n(.*\n)*.* in train_loop', text), text  # main thread
+    assert re.search(r'File ".*hang\.py", line \d+ in host\n(.*\n)*.* in run\n', text), text  # main thread
 
 
 def test_sigterm_into_a_hung_step_exits_75_within_the_grace_period(tmp_path, corpus_path):
@@ -114,7 +114,7 @@ def test_an_evaluation_is_one_program_and_equals_the_per_batch_mean(small_cfg):
     assert hook.calls == 2  # steps 2 and 4, one dispatch each (the final loss is step 4's)
     # The scanned program's value is the token-weighted mean of the batches' losses, evaluated one by one.
     from jaxtrain.train import setup
-    from jaxtrain.train.fit import put_validation
+    from jaxtrain.train.trainer import put_validation
     s = setup(cfg, load_data=True)
     params = result.state["params"]
     val = put_validation(s.data.val, s.fns.batch_sharding)

@@ -19,9 +19,9 @@ from jaxtrain import config as cfglib
 from jaxtrain.checkpoint.checkpointer import Checkpointer
 from jaxtrain.cli import export as export_cli
 from jaxtrain.errors import ConfigError
-from jaxtrain.train import hf as hflib
+from jaxtrain.interop import hf as hflib
 from jaxtrain.train import lm, setup
-from jaxtrain.train.hf_files import INDEX_FILE, WEIGHTS_FILE, load_tensors, weight_files
+from jaxtrain.interop.hf_files import INDEX_FILE, WEIGHTS_FILE, load_tensors, weight_files
 
 
 def imported(hf_dir, run_dir, capsys) -> tuple[dict, np.ndarray, str]:

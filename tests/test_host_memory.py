@@ -8,7 +8,7 @@ import pytest
 # Allocates, touches and frees 64 MiB twice; prints the minor page faults of the second round.
 PROBE = """
 import ctypes, resource, sys
-from jaxtrain.train import host_memory
+from jaxtrain.runtime import host_memory
 print("kept" if sys.argv[1] == "on" and host_memory.reuse_freed_memory() else "set" if sys.argv[1] == "on" else "off")
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)

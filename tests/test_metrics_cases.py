@@ -18,7 +18,8 @@ from jaxtrain.cli import export as export_cli
 from jaxtrain.metrics import external
 from jaxtrain.metrics.console import Reporter
 from jaxtrain.metrics.sinks import Sinks, read_metrics
-from jaxtrain.train import fit, hf, rundir, setup
+from jaxtrain.interop import hf
+from jaxtrain.train import fit, rundir, setup
 
 
 def sha256(path: Path) -> str:

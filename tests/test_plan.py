@@ -3,7 +3,7 @@ import pytest
 
 from jaxtrain import config as cfglib
 from jaxtrain.analysis import collectives, explain, plan
-from jaxtrain.cli import plan as plan_cli
+from jaxtrain.analysis import plan as plan_cli
 from jaxtrain.errors import ConfigError
 
 from conftest import SMALL

@@ -113,7 +113,7 @@ def test_sigkill_trials_resume_from_latest_commit(tmp_path, corpus_path):
 def test_grace_period_expiry_exits_75():
     # The child would sleep 30 s; exit code 75 and the message show the grace period ended it first.
     code = ("import os, signal, time\n"
-            "from jaxtrain.train.preempt import Preemption\n"
+            "from jaxtrain.runtime.signals import Preemption\n"
             "with Preemption(grace_period_s=0.5):\n"
             "    os.kill(os.getpid(), signal.SIGTERM)\n"
             "    time.sleep(30)  # a save that never commits\n")
@@ -138,8 +138,8 @@ def _catches_sigterm(pid: int) -> bool:
 
 SLOW_DATA = """
 import sys, time
-from jaxtrain.train import preempt
-preempt.during_startup()
+from jaxtrain.runtime import signals
+signals.during_startup()
 from jaxtrain import data
 load = data.load
 def slow(*args, **kwargs):  # a slow corpus read (a network file system, say)
@@ -187,8 +187,9 @@ def test_sigterm_during_startup_exits_zero_and_a_rerun_starts_cleanly(tmp_path, 
 
 SLOW_END = """
 import sys, time
-from jaxtrain.train import hooks, preempt
-preempt.during_startup()
+from jaxtrain.train import hooks
+from jaxtrain.runtime import signals
+signals.during_startup()
 end = hooks.Evaluate.on_end
 def slow(self, loop, ok):  # the final evaluation takes a while (a large validation set, say)
     print("final evaluation", flush=True)

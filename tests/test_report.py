@@ -7,7 +7,7 @@ import pytest
 from rich.console import Console
 
 from jaxtrain.analysis import report
-from jaxtrain.cli import report as report_cli
+from jaxtrain.analysis import report as report_cli
 from jaxtrain.metrics.console import Reporter
 from jaxtrain.train import fit
 

@@ -65,8 +65,8 @@ class GcWatch(Hook):
         monkeypatch.setattr(gc, "collect", lambda generation=2: (self.collected.append((self.now, generation)),
                                                                   collect(generation))[1])
 
-    def after_step(self, loop, step, metrics):
-        self.enabled[step], self.now = gc.isenabled(), step
+    def after_step(self, loop, rec):
+        self.enabled[rec.step], self.now = gc.isenabled(), rec.step
 
 
 @pytest.mark.parametrize("every", [0, 3])
@@ -78,7 +78,8 @@ def test_automatic_gc_is_off_in_the_loop_and_young_collections_run_every_gc_ever
     assert gc.isenabled()
     fit(cfg, devices=jax.devices()[:1], quiet=True, hooks=[watch])
     assert gc.isenabled()  # restored for the caller
-    # (hooks run in order: the GC hook's collection after step s is seen before this hook records s)
+    # (hooks run in the given order where nothing is declared: the GC hook's collection after step s is
+    # seen before this hook records s)
     assert watch.enabled == {s: every == 0 for s in range(1, 8)}
     assert [c for c in watch.collected if c[1] == 1] == ([(0, 1), (2, 1), (5, 1)] if every else [])
 

@@ -6,7 +6,7 @@ Prints, for the config's own mesh and rule set (``mesh.*``, ``sharding.rules``):
   * the per-device memory report (jaxtrain.memory);
   * the collectives of the compiled train step (jaxtrain.collectives): kind, result
     shape, executions per step, bytes per step, and the JAX operation they came from.
-Like ``jaxtrain.plan`` it goes through the run setup of training (``jaxtrain.train.setup``)
+Like ``jaxtrain.plan`` it goes through the run setup of training (``jaxtrain.train.assembly``)
 and compiles on simulated CPU devices from abstract inputs only.
 """
 from __future__ import annotations
@@ -21,7 +21,12 @@ from jaxtrain.metrics import memory
 from jaxtrain.config import Config
 from jaxtrain.parallel.mesh import describe
 from jaxtrain.parallel.rules import path_str
-from jaxtrain.train.setup import setup
+from jaxtrain.train.assembly import setup
+import argparse
+import math
+import sys
+from typing import Optional, Sequence
+from jaxtrain.cli.common import add_config_args, cli, config_args, enable_compilation_cache, prog, use_cpu_devices
 
 
 def _spec(spec, ndim: int) -> str:
@@ -89,3 +94,49 @@ def explain(cfg: Config, devices, vocab: Optional[int] = None, top: int = 25,
         if len(found) > top:
             out.append(f"... {len(found) - top} more")
     return "\n".join(out)
+
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog("jaxtrain.explain"),
+                                     description="Per-parameter shardings, memory and the collectives of one "
+                                                 "mesh + rule set (the config's).")
+    parser.add_argument("--devices", type=int, default=None,
+                        help="simulated CPU devices (default: the product of the mesh sizes, or 8)")
+    parser.add_argument("--rules", help="the rule set (one name in sharding_rules/, or a YAML path); "
+                                        "same as sharding.rules=NAME")
+    parser.add_argument("--device-memory", help="per-device budget, e.g. 80GiB: says whether the peak fits")
+    parser.add_argument("--allow-fallback", action="store_true", help="same as sharding.allow_fallback=true")
+    add_config_args(parser)
+    args = config_args(parser, sys.argv[1:] if argv is None else argv)
+    return cli(lambda: _explain(args))
+
+
+def _explain(args: argparse.Namespace) -> int:
+    from jaxtrain.analysis.plan import parse_bytes
+    from jaxtrain.config import MESH_AXES, load
+    from jaxtrain.errors import ConfigError
+    overrides = list(args.overrides)
+    if args.rules:
+        if "," in args.rules:
+            raise ConfigError(f"--rules: explain shows one rule set, got '{args.rules}' "
+                              f"(compare several with python -m jaxtrain.plan --rules {args.rules})")
+        overrides.append(f"sharding.rules={args.rules}")
+    if args.allow_fallback:
+        overrides.append("sharding.allow_fallback=true")
+    budget = parse_bytes(args.device_memory) if args.device_memory else None
+    cfg = load(args.config, overrides)
+    sizes = [getattr(cfg.mesh, a) for a in MESH_AXES]
+    n = args.devices or (math.prod(sizes) if -1 not in sizes else 8)
+    use_cpu_devices(n)
+    enable_compilation_cache()
+    import jax
+    devices = jax.devices("cpu")
+    if len(devices) < n:
+        raise ConfigError(f"--devices: {n} CPU devices requested but this process has {len(devices)}")
+    print(explain(cfg, devices[:n], budget=budget))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

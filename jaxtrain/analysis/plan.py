@@ -13,8 +13,8 @@ device peak, parameter and optimizer bytes (jaxtrain.memory) and bytes per step 
 collective kind (jaxtrain.collectives). Rows are ranked: within the ``--device-memory``
 budget first, then fewest collective bytes per step, then lowest peak.
 
-Every candidate goes through the same run setup as training (``jaxtrain.train.setup``).
-The command line (``jaxtrain.cli.plan``) forces the CPU platform and N host devices before
+Every candidate goes through the same run setup as training (``jaxtrain.train.assembly``).
+The command line (:func:`main`) forces the CPU platform and N host devices before
 JAX starts its backend (importing jax does not start it; the first device query does).
 """
 from __future__ import annotations
@@ -33,7 +33,10 @@ from jaxtrain.errors import ConfigError
 from jaxtrain.parallel.rules import Rules, rule_sets as shipped_rule_sets
 from jaxtrain.errors import ShardingError
 from jaxtrain.train.lm import family_of
-from jaxtrain.train.setup import setup, vocab_for
+from jaxtrain.train.assembly import setup, vocab_for
+import argparse
+import sys
+from jaxtrain.cli.common import add_config_args, cli, config_args, enable_compilation_cache, prog, use_cpu_devices
 
 
 @dataclass
@@ -180,3 +183,51 @@ def parse_bytes(text: str) -> int:
     if not m:
         raise ConfigError(f"--device-memory: cannot read '{text}' (examples: 80GiB, 16G, 1e9)")
     return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2) or " "))
+
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog("jaxtrain.plan"),
+                                     description="Rank mesh shapes x rule sets for a config by AOT-compiling "
+                                                 "the train step.")
+    parser.add_argument("--devices", type=int, default=None, help="number of devices to plan for")
+    parser.add_argument("--rules", help="comma-separated rule sets (default: every one in sharding_rules/)")
+    parser.add_argument("--device-memory", help="per-device budget, e.g. 80GiB; candidates above are marked OVER")
+    parser.add_argument("--allow-fallback", action="store_true",
+                        help="replicate indivisible dims (reported) instead of rejecting the candidate")
+    add_config_args(parser)
+    args = config_args(parser, sys.argv[1:] if argv is None else argv)
+    return cli(lambda: _plan(args))
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from jaxtrain.config import load
+    from jaxtrain.errors import ConfigError
+    if not args.devices or args.devices < 1:
+        raise ConfigError("--devices: give the number of devices to plan for, e.g. --devices 8")
+    budget = parse_bytes(args.device_memory) if args.device_memory else None
+    rule_sets = None
+    if args.rules is not None:
+        rule_sets = list(dict.fromkeys(r.strip() for r in args.rules.split(",") if r.strip()))  # once each
+        if not rule_sets:
+            raise ConfigError("--rules: no rule set named (e.g. --rules dp,fsdp)")
+    cfg = load(args.config, args.overrides)
+    use_cpu_devices(args.devices)
+    enable_compilation_cache()
+    t0 = time.perf_counter()
+    cands = plan(cfg, args.devices, rule_sets, budget, allow_fallback=args.allow_fallback,
+                      log=lambda s: print(s, file=sys.stderr, flush=True))
+    print(f"plan: {args.devices} devices, {len(cands)} candidates, "
+          f"{sum(c.status == 'compiled' for c in cands)} compiled in {time.perf_counter() - t0:.0f} s "
+          f"(bytes per device; collectives: bytes per step)\n")
+    print(table(cands, budget))
+    others = [c for c in cands if c.status != "compiled"]
+    if others:
+        print("\nnot compiled:")
+        for c in others:
+            print(f"  {c.rules:8s} {c.mesh_str}  {c.status}: {c.reason}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

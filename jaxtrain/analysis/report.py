@@ -16,6 +16,10 @@ from jaxtrain.errors import ConfigError
 from jaxtrain.metrics.sinks import read_metrics
 
 PANELS = ("loss vs step", "loss vs {unit}", "learning rate", "gradient norm", "throughput ({unit}/s)", "MFU (%)")
+import argparse
+import sys
+from typing import Optional, Sequence
+from jaxtrain.cli.common import cli, prog
 
 
 def _labels(run_dirs: Sequence[Path]) -> list[str]:
@@ -83,3 +87,21 @@ def write(run_dirs: Sequence[Path], out: Path, dpi: int = 110) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=dpi)
     return out
+
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog("jaxtrain.report"),
+                                     description="Loss, learning rate, gradient norm, throughput and MFU of "
+                                                 "one or more runs, overlaid, as a PNG.")
+    parser.add_argument("run_dirs", nargs="+", help="run directories (each with config.yaml and metrics.jsonl)")
+    parser.add_argument("-o", "--out", required=True, help="the PNG to write")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+
+    def body() -> None:
+        print(f"wrote {write([Path(p) for p in args.run_dirs], Path(args.out))}")
+    return cli(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

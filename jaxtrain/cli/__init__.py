@@ -1,5 +1,6 @@
-"""Command lines: ``python -m jaxtrain.<cmd>`` or the ``jaxtrain-<cmd>`` console scripts.
+"""The shared command-line plumbing (``common``: named errors to exit codes, config arguments) and the
+commands of training (``train``), export/import (``export``) and data preparation (``prepare``).
 
-Each command parses its arguments here and calls the library; ``common.cli`` turns
-every named error into ``error: <key>: ...`` and its exit code.
+The analysis commands (``plan``, ``explain``, ``report``) keep their command line beside their code
+in ``jaxtrain.analysis``; every command is also ``python -m jaxtrain.<cmd>`` and ``jaxtrain-<cmd>``.
 """

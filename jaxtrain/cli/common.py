@@ -38,25 +38,25 @@ def cli(body: Callable[[], Optional[int]]) -> int:
 
     An error with ``hard_exit`` (a checkpoint save stuck past its timeout) ends the process at once:
     a normal exit would wait for ever on the stuck writer thread. A SIGTERM/SIGINT during a training
-    run's start-up (``jaxtrain.train.preempt.StartupInterrupted``) is exit 0: nothing was trained.
+    run's start-up (``jaxtrain.runtime.signals.StartupInterrupted``) is exit 0: nothing was trained.
     """
     from jaxtrain.errors import StartupInterrupted
     try:
         return body() or 0
     except StartupInterrupted as stop:
-        from jaxtrain.train.preempt import report_startup_stop
+        from jaxtrain.runtime.signals import report_startup_stop
         code = report_startup_stop(stop)
         if _multiprocess():  # the others are told, and stop too (they would wait for this one for ever)
-            from jaxtrain.parallel import distributed
-            distributed.leave(code)
+            from jaxtrain.runtime import heartbeat
+            heartbeat.leave(code)
         return code
     except JaxtrainError as err:
         print(f"error: {err}", file=sys.stderr)
         # Many processes: a normal exit would wait in jax.distributed's shutdown barrier for peers that
         # may be stuck in a collective; the others' heartbeat sees this one go and stops them too.
         if _multiprocess():
-            from jaxtrain.parallel import distributed
-            distributed.leave(err.exit_code)
+            from jaxtrain.runtime import heartbeat
+            heartbeat.leave(err.exit_code)
         if getattr(err, "hard_exit", False):
             sys.stdout.flush()
             sys.stderr.flush()
@@ -67,20 +67,20 @@ def cli(body: Callable[[], Optional[int]]) -> int:
             # Many processes: never a normal exit (it would wait in jax.distributed's shutdown barrier
             # while the others wait in a collective); a collective that failed because a peer is gone
             # is reported by name, not as a traceback.
-            from jaxtrain.parallel import distributed
-            distributed.after_failure(err)
+            from jaxtrain.runtime import heartbeat
+            heartbeat.after_failure(err)
             if isinstance(err, KeyboardInterrupt):
                 print("interrupted (a second SIGINT): stopping every process at once; committed checkpoints are "
                       "intact", file=sys.stderr)
-                distributed.leave(130)
+                heartbeat.leave(130)
             traceback.print_exc()
-            distributed.leave(1)
+            heartbeat.leave(1)
         raise
 
 
 def _multiprocess() -> bool:
-    """This process has joined a multi-process run (``jaxtrain.parallel.distributed``)."""
-    module = sys.modules.get("jaxtrain.parallel.distributed")
+    """This process has joined a multi-process run (``jaxtrain.runtime.join``)."""
+    module = sys.modules.get("jaxtrain.runtime.heartbeat")
     return module is not None and module.joined()
 
 

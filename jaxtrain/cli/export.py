@@ -4,7 +4,7 @@
     python -m jaxtrain.export --import HF_DIR [--config FILE] [key=value ...]
     python -m jaxtrain.export RUN_DIR --register NAME [--alias candidate] [--ready-timeout-s 300]   # MLflow
 
-See ``jaxtrain.train.hf`` and ``jaxtrain.train.handoff``.
+See ``jaxtrain.interop.hf`` and ``jaxtrain.interop.registry``.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("--max-shard-size goes with an export to OUT_DIR")
 
     def body() -> None:
-        from jaxtrain.train import hf
+        from jaxtrain.interop import hf
         if a.import_dir:
             cfg, notes = hf.import_config(Path(a.import_dir), a.config, a.args)
             run_dir = hf.import_hf(Path(a.import_dir), cfg, notes=notes)  # adds the tensors' notes
@@ -65,7 +65,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             else:
                 print(f"wrote {out / hf.WEIGHTS_FILE} and {out / hf.CONFIG_FILE}")
         if a.register:
-            from jaxtrain.train.handoff import READY_TIMEOUT_S, register
+            from jaxtrain.interop.registry import READY_TIMEOUT_S, register
             timeout = READY_TIMEOUT_S if a.ready_timeout_s is None else a.ready_timeout_s
             v = register(Path(a.args[0]), a.register, a.alias, a.step, a.tracking_uri, timeout)
             alias = f", alias '{a.alias}'" if a.alias else ""

@@ -16,7 +16,7 @@ import sys
 from typing import Optional, Sequence
 
 from jaxtrain.cli.common import add_config_args, cli, config_args, enable_compilation_cache, log_to_console, prog
-from jaxtrain.train import preempt
+from jaxtrain.runtime import signals
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -28,21 +28,21 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    preempt.during_startup()  # first: a preemption notice may come while jax still imports
+    signals.during_startup()  # first: a preemption notice may come while jax still imports
     args = parse_args(sys.argv[1:] if argv is None else argv)
 
     def body() -> None:
         enable_compilation_cache()
         log_to_console()
         from jaxtrain.config import load
-        from jaxtrain.parallel import distributed
+        from jaxtrain.runtime import heartbeat, join
         from jaxtrain.train import fit
-        preempt.check_startup()
+        signals.check_startup()
         cfg = load(args.config, args.overrides)
-        distributed.start(cfg.distributed)  # before anything touches a device
-        preempt.check_startup()
+        join.start(cfg.distributed)  # before anything touches a device
+        signals.check_startup()
         fit(cfg)
-        distributed.finished()
+        heartbeat.finished()
     return cli(body)
 
 

@@ -152,7 +152,7 @@ class CheckpointConfig(Section):
 class RunConfig(Section):
     dir: str = "runs/default"
     progress: bool = True  # rich progress bar with ETA
-    # glibc keeps freed buffers up to 1 GiB for reuse (jaxtrain.train.host_memory): XLA:CPU allocates a
+    # glibc keeps freed buffers up to 1 GiB for reuse (jaxtrain.runtime.host_memory): XLA:CPU allocates a
     # step's temporaries on every step, and faulting fresh pages in each time cost ~30% of a small step
     reuse_host_memory: bool = True
     _dir = _path_key("run.dir")
@@ -176,7 +176,7 @@ class ProfileConfig(Section):
 
 
 class DistributedConfig(Section):
-    """Multi-process start-up (``jax.distributed``; ``jaxtrain.parallel.distributed``).
+    """Multi-process start-up (``jax.distributed``; ``jaxtrain.runtime.join``).
 
     ``auto`` starts it when the environment names several processes: these keys, else
     ``JAXTRAIN_COORDINATOR_ADDRESS`` / ``JAXTRAIN_NUM_PROCESSES`` / ``JAXTRAIN_PROCESS_ID`` (or an

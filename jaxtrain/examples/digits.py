@@ -27,7 +27,7 @@ from jaxtrain.config import Config
 from jaxtrain.errors import ConfigError
 from jaxtrain.data import ArrayData
 from jaxtrain.parallel.activations import constrain
-from jaxtrain.train.spec import ModelSpec
+from jaxtrain.train.model_spec import ModelSpec
 
 N_FEATURES, N_CLASSES = 64, 10
 

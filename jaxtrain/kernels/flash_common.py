@@ -15,8 +15,27 @@ from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 NEG_INF = float("-inf")
+F32 = jnp.float32
+
+
+# The in-kernel matmuls of both lowerings, on 2-D blocks: float32 results whatever the input
+# dtype (bf16 blocks would otherwise give bf16 scores and gradients).
+def dot(a, b):
+    """a [m, k] @ b [k, n] -> [m, n] float32."""
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=F32)
+
+
+def dot_t(a, b):
+    """a [m, k] @ b [n, k]^T -> [m, n] float32 (scores q k^T without transposing k)."""
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+
+
+def t_dot(a, b):
+    """a [k, m]^T @ b [k, n] -> [m, n] float32 (dK/dV: contract over the query rows)."""
+    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=F32)
 
 
 @dataclass(frozen=True)
@@ -96,6 +115,11 @@ def finalize(m, l, acc):
 
 def safe_lse(lse):
     return jnp.where(lse == NEG_INF, 0.0, lse)
+
+
+def row_delta(o, do):
+    """rowsum(dO * O) of the backward pass: o, do [batch, len, heads, head_dim] -> [batch, heads, len] f32."""
+    return jnp.einsum("bthd,bthd->bht", o.astype(F32), do.astype(F32))
 
 
 def _round_up(x: int, m: int) -> int:

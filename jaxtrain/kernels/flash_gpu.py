@@ -20,23 +20,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jaxtrain.kernels import target
-from jaxtrain.kernels.flash_common import (FlashParams, block_mask, finalize, kv_block_range, make_flash,
-                                           online_softmax_update, q_block_range, run_flash, safe_lse)
+from jaxtrain.kernels.flash_common import (F32, FlashParams, block_mask, dot, dot_t, finalize, kv_block_range,
+                                           make_flash, online_softmax_update, q_block_range, row_delta, run_flash,
+                                           safe_lse, t_dot)
 
-F32 = jnp.float32
 # Positions come from 1-D aranges (broadcast), the simplest form for the Triton lowering.
-
-
-def _dot(a, b):  # a [m, k] @ b [k, n], f32 accumulation
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=F32)
-
-
-def _dot_t(a, b):  # a [m, k] @ b[n, k]^T
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=F32)
-
-
-def _t_dot(a, b):  # a[k, m]^T @ b [k, n]
-    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=F32)
 
 
 def _fwd_kernel(qseg_ref, kvseg_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, p: FlashParams, n_kv: int):
@@ -53,8 +41,8 @@ def _fwd_kernel(qseg_ref, kvseg_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, p: 
         v = v_ref[pl.ds(start, bk), :]
         kv_pos = start + jnp.arange(bk, dtype=jnp.int32)[None, :]
         mask = block_mask(q_pos, kv_pos, q_seg, kvseg_ref[pl.ds(start, bk)][None, :], p)
-        s = _dot_t(q, k) * p.scale
-        return online_softmax_update(m, l, acc, s, mask, v, _dot)
+        s = dot_t(q, k) * p.scale
+        return online_softmax_update(m, l, acc, s, mask, v, dot)
 
     lo, hi = kv_block_range(i, n_kv, p)
     init = (jnp.full((bq,), -jnp.inf, F32), jnp.zeros((bq,), F32), jnp.zeros((bq, q.shape[-1]), F32))
@@ -79,9 +67,9 @@ def _dq_kernel(qseg_ref, kvseg_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_
         v = v_ref[pl.ds(start, bk), :]
         kv_pos = start + jnp.arange(bk, dtype=jnp.int32)[None, :]
         mask = block_mask(q_pos, kv_pos, q_seg, kvseg_ref[pl.ds(start, bk)][None, :], p)
-        prob = jnp.where(mask, jnp.exp(_dot_t(q, k) * p.scale - lse), 0.0)
-        ds = prob * (_dot_t(do, v) - delta)
-        return dq + _dot(ds.astype(k.dtype), k)
+        prob = jnp.where(mask, jnp.exp(dot_t(q, k) * p.scale - lse), 0.0)
+        ds = prob * (dot_t(do, v) - delta)
+        return dq + dot(ds.astype(k.dtype), k)
 
     lo, hi = kv_block_range(i, n_kv, p)
     dq = lax.fori_loop(lo, hi, body, jnp.zeros(q.shape, F32))
@@ -108,10 +96,10 @@ def _dkdv_kernel(qseg_ref, kvseg_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delt
             delta = delta_ref[r, pl.ds(start, bq)][:, None]
             q_pos = start + jnp.arange(bq, dtype=jnp.int32)[:, None] + p.offset
             mask = block_mask(q_pos, kv_pos, qseg_ref[pl.ds(start, bq)][:, None], kv_seg, p)
-            prob = jnp.where(mask, jnp.exp(_dot_t(q, k) * p.scale - lse), 0.0)
-            dv = dv + _t_dot(prob.astype(do.dtype), do)
-            ds = prob * (_dot_t(do, v) - delta)
-            dk = dk + _t_dot(ds.astype(q.dtype), q)
+            prob = jnp.where(mask, jnp.exp(dot_t(q, k) * p.scale - lse), 0.0)
+            dv = dv + t_dot(prob.astype(do.dtype), do)
+            ds = prob * (dot_t(do, v) - delta)
+            dk = dk + t_dot(ds.astype(q.dtype), q)
             return dk, dv
 
         dk, dv = lax.fori_loop(lo, hi, body, (dk, dv))
@@ -162,7 +150,7 @@ def _bwd(q, k, v, qseg, kvseg, o, lse, do, p: FlashParams):
     b, tq, h, d = q.shape
     tk, kvh = k.shape[1], k.shape[2]
     g, bq, bk = h // kvh, p.block_q, p.block_k
-    delta = jnp.einsum("bthd,bthd->bht", o.astype(F32), do.astype(F32))  # rowsum(dO * O)
+    delta = row_delta(o, do)  # [b, h, tq]
     dq = pl.pallas_call(
         lambda *refs: _dq_kernel(*refs, p=p, n_kv=tk // bk),
         grid=(b, h, tq // bq),

@@ -20,23 +20,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jaxtrain.kernels import target
-from jaxtrain.kernels.flash_common import (NEG_INF, FlashParams, block_mask, finalize, kv_block_range,
-                                           make_flash, online_softmax_update, q_block_range, run_flash,
-                                           safe_lse)
-
-F32 = jnp.float32
-
-
-def _dot(a, b):
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=F32)
-
-
-def _dot_t(a, b):
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=F32)
-
-
-def _t_dot(a, b):
-    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=F32)
+from jaxtrain.kernels.flash_common import (F32, NEG_INF, FlashParams, block_mask, dot, dot_t, finalize,
+                                           kv_block_range, make_flash, online_softmax_update, q_block_range,
+                                           row_delta, run_flash, safe_lse, t_dot)
 
 
 def _positions(i, j, p: FlashParams):
@@ -61,9 +47,9 @@ def _fwd_kernel(qseg_ref, kvseg_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, 
     def _compute():
         q_pos, kv_pos = _positions(i, j, p)
         mask = block_mask(q_pos, kv_pos, qseg_ref[...], kvseg_ref[...], p)
-        s = _dot_t(q_ref[...], k_ref[...]) * p.scale
+        s = dot_t(q_ref[...], k_ref[...]) * p.scale
         m, l, acc = online_softmax_update(m_sc[...][:, 0], l_sc[...][:, 0], acc_sc[...], s, mask, v_ref[...],
-                                          _dot)
+                                          dot)
         m_sc[...], l_sc[...], acc_sc[...] = m[:, None], l[:, None], acc
 
     @pl.when(j == n_kv - 1)
@@ -88,9 +74,9 @@ def _dq_kernel(qseg_ref, kvseg_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_
         q_pos, kv_pos = _positions(i, j, p)
         mask = block_mask(q_pos, kv_pos, qseg_ref[...], kvseg_ref[...], p)
         k = k_ref[...]
-        prob = jnp.where(mask, jnp.exp(_dot_t(q_ref[...], k) * p.scale - safe_lse(lse_ref[...])), 0.0)
-        ds = prob * (_dot_t(do_ref[...], v_ref[...]) - delta_ref[...])
-        dq_sc[...] += _dot(ds.astype(k.dtype), k)
+        prob = jnp.where(mask, jnp.exp(dot_t(q_ref[...], k) * p.scale - safe_lse(lse_ref[...])), 0.0)
+        ds = prob * (dot_t(do_ref[...], v_ref[...]) - delta_ref[...])
+        dq_sc[...] += dot(ds.astype(k.dtype), k)
 
     @pl.when(j == n_kv - 1)
     def _finish():
@@ -114,10 +100,10 @@ def _dkdv_kernel(qseg_ref, kvseg_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delt
         q_pos, kv_pos = _positions(i, j, p)
         mask = block_mask(q_pos, kv_pos, qseg_ref[...], kvseg_ref[...], p)
         q, do = q_ref[...], do_ref[...]
-        prob = jnp.where(mask, jnp.exp(_dot_t(q, k_ref[...]) * p.scale - safe_lse(lse_ref[...])), 0.0)
-        dv_sc[...] += _t_dot(prob.astype(do.dtype), do)
-        ds = prob * (_dot_t(do, v_ref[...]) - delta_ref[...])
-        dk_sc[...] += _t_dot(ds.astype(q.dtype), q)
+        prob = jnp.where(mask, jnp.exp(dot_t(q, k_ref[...]) * p.scale - safe_lse(lse_ref[...])), 0.0)
+        dv_sc[...] += t_dot(prob.astype(do.dtype), do)
+        ds = prob * (dot_t(do, v_ref[...]) - delta_ref[...])
+        dk_sc[...] += t_dot(ds.astype(q.dtype), q)
 
     @pl.when(t == group * n_q - 1)
     def _finish():
@@ -163,7 +149,7 @@ def _fwd(q, k, v, qseg, kvseg, p: FlashParams):
 
 
 def _bwd(q, k, v, qseg, kvseg, o, lse, do, p: FlashParams):
-    delta = jnp.einsum("bthd,bthd->bht", o.astype(F32), do.astype(F32))[..., None]
+    delta = row_delta(o, do)[..., None]  # [b, h, tq, 1]: rows of the (len, head_dim) blocks
     q, k, v, do = (x.transpose(0, 2, 1, 3) for x in (q, k, v, do))
     b, h, tq, d = q.shape
     kvh, tk = k.shape[1], k.shape[2]

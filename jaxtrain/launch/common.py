@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from jaxtrain.errors import LaunchError
+from jaxtrain.runtime.job import LAUNCHER_VARS
 
 TARGETS = {"gke": "GKE JobSet", "vertex": "Vertex AI CustomJob", "slurm": "SLURM sbatch script"}
 INSTALL_HINT = "pip install 'jaxtrain[launch]'"
@@ -118,8 +119,7 @@ def parse_env(items: Sequence[str]) -> dict[str, str]:
     return env
 
 
-RESERVED_ENV = ("JAXTRAIN_COORDINATOR_ADDRESS", "JAXTRAIN_NUM_PROCESSES", "JAXTRAIN_PROCESS_ID", "CLUSTER_SPEC",
-                "JOB_COMPLETION_INDEX")
+RESERVED_ENV = LAUNCHER_VARS  # the job's shape: what the launchers and the platforms set (jaxtrain.runtime.job)
 
 
 def check_job(job: Job, processes: int) -> None:

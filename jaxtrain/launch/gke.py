@@ -21,6 +21,7 @@ import yaml
 
 from jaxtrain.launch.common import Job, accelerator_count, add_container_args, connection_reason, nonnegative_int, require
 from jaxtrain.errors import LaunchError, SubmitError
+from jaxtrain.runtime.job import COORDINATOR_VAR, NUM_PROCESSES_VAR, PROCESS_ID_VAR
 
 GROUP, VERSION, PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"
 REPLICATED_JOB = "workers"  # short: it is part of every pod's host name (63 characters at most)
@@ -100,10 +101,10 @@ def coordinator_address(job: Job, port: int) -> str:
 
 def _env(job: Job, port: int) -> list[dict]:
     env: dict[str, dict] = {
-        "JAXTRAIN_COORDINATOR_ADDRESS": {"value": coordinator_address(job, port)},
-        "JAXTRAIN_NUM_PROCESSES": {"value": str(job.nodes)},
+        COORDINATOR_VAR: {"value": coordinator_address(job, port)},
+        NUM_PROCESSES_VAR: {"value": str(job.nodes)},
         # The same number as JOB_COMPLETION_INDEX, which Kubernetes sets itself; either is read.
-        "JAXTRAIN_PROCESS_ID": {"valueFrom": {"fieldRef": {
+        PROCESS_ID_VAR: {"valueFrom": {"fieldRef": {
             "fieldPath": f"metadata.annotations['{COMPLETION_INDEX}']"}}},
     }
     env.update({key: {"value": value} for key, value in job.env.items()})  # --env wins over ours

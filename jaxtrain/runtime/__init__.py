@@ -1,2 +1,4 @@
-"""What a training process does around the train step itself: watching device work for hangs
-(``watchdog``)."""
+"""What a training process does around the train step: learning the job's shape (``job``), the watched
+``jax.distributed`` start (``join``), peers watching each other and leaving together (``heartbeat``),
+signals and the preemption grace (``signals``), agreeing on a stop (``agreement``), host allocator
+tuning (``host_memory``) and the hang watchdog (``watchdog``)."""

@@ -11,7 +11,7 @@ heartbeat cannot see that case (jax-ml/jax#38503), because every process still a
 Then the watchdog writes every thread's Python stack (:mod:`faulthandler`) to
 ``<run dir>/hang_stacks.process<N>.txt`` (and stderr), prints a named error and ends the process
 with :data:`HANG_EXIT`; in a multi-process job it tells the others first, so they end the same way
-(``jaxtrain.parallel.distributed.leave``). The compile is never watched, and checkpoint saves keep
+(``jaxtrain.runtime.heartbeat.leave``). The compile is never watched, and checkpoint saves keep
 their own bound (``checkpoint.save_timeout_s``): they are described (for the grace-period message
 of a SIGTERM) but not limited here.
 
@@ -29,7 +29,9 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-HANG_EXIT = 5  # as a peer that stopped answering: the job is stuck, not the input wrong
+from jaxtrain.errors import HANG_EXIT
+from jaxtrain.runtime import heartbeat
+
 HANG_FLOOR_S = 300.0  # the automatic limit of one step is never below this
 HANG_FACTOR = 20.0  # ... and is this many times the slowest step measured so far
 
@@ -171,7 +173,6 @@ class Watchdog:
 def _exit_hung(message: str) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.stdout.flush()
-    distributed = sys.modules.get("jaxtrain.parallel.distributed")
-    if distributed is not None and distributed.joined():  # the others stop with the same code
-        distributed.leave(HANG_EXIT)
+    if heartbeat.joined():  # the others stop with the same code
+        heartbeat.leave(HANG_EXIT)
     os._exit(HANG_EXIT)

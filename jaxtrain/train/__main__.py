@@ -1,8 +1,8 @@
-"""``python -m jaxtrain.train``: see ``jaxtrain.cli.train``."""
+"""``python -m jaxtrain.train``: the command line of ``jaxtrain.cli.train``."""
 
-from jaxtrain.train import preempt
+from jaxtrain.runtime import signals
 
-preempt.during_startup()  # before anything heavy is imported: a SIGTERM from now on is a clean exit 0
+signals.during_startup()  # before anything heavy is imported: a SIGTERM from now on is a clean exit 0
 
 from jaxtrain.cli.common import exit_now  # noqa: E402
 from jaxtrain.cli.train import main  # noqa: E402

@@ -18,7 +18,7 @@ from jaxtrain.config import Config
 from jaxtrain.errors import ConfigError
 from jaxtrain.models import registry
 from jaxtrain.models.family import Family
-from jaxtrain.train.spec import ModelSpec
+from jaxtrain.train.model_spec import ModelSpec
 
 
 def family_of(cfg: Config) -> Family:

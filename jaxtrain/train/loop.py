@@ -3,22 +3,28 @@
 Everything that is not the step (preemption, the non-finite guard, logging, evaluation,
 checkpoints, profiling, the progress bar, sampling) is a :class:`Hook` in
 ``jaxtrain.train.hooks``; a new concern is a new hook, not a new branch here.
+
+The loop owns the cadence and the shared state. A hook declares when it runs (``every``: a
+config key such as ``train.eval_every``; ``at``: also at the last or final step) and what it
+gives other hooks (``produces``: a field of :class:`StepRecord`, set from its ``after_step``'s
+return value) or takes from them (``reads``). The loop orders the hooks by those declarations,
+so the order they are given in changes nothing else, and each hook sees an immutable record.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import jax
 import numpy as np
 
+from jaxtrain.errors import NonFiniteError
 from jaxtrain.metrics.console import Reporter
 from jaxtrain.metrics.sinks import Sinks
-from jaxtrain.train.setup import Setup
-from jaxtrain.errors import NonFiniteError
-
+from jaxtrain.train.assembly import Setup
 
 # Train steps dispatched but not finished: XLA:CPU deadlocks on ~100 unread multi-device programs in
 # flight, and more than two buys no overlap that two do not.
@@ -55,9 +61,108 @@ class RunResult:
         return {r["step"]: r["loss"] for r in self.rows if "loss" in r}
 
 
+@dataclass(frozen=True)
+class Skipped:
+    """Non-finite (skipped) steps as far as the guard has counted: it reads a step's flag one step
+    late, so the host never waits on the step just dispatched."""
+
+    total: int = 0  # skipped steps of this process, through step ``through``
+    streak: int = 0  # of them in a row, ending at ``through``
+    through: int = 0  # the last step counted
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What the loop knows of one step. The fields after ``last`` are produced by hooks (their
+    ``produces``), each from the step's own start: a hook that was not due leaves its default."""
+
+    step: int
+    metrics: dict  # the step's metrics as device arrays (reading one waits for the step)
+    last: bool  # step == train.steps
+    stop: str = ""  # StopOnSignal: the signal's name when this is the final step of a stopped run
+    skipped: Skipped = Skipped()  # NonFiniteGuard
+    row: Optional[dict] = None  # LogMetrics: the train row written at this step
+    evaluation: Optional[dict] = None  # Evaluate: ``{'val_loss', ...}`` when evaluated at this step
+    committed: Optional[int] = None  # Checkpointing: at a stop, the latest committed step after the final save
+
+    @property
+    def final(self) -> bool:
+        """The final step of this process: ``train.steps``, or the step a stop was agreed at."""
+        return self.last or bool(self.stop)
+
+
+class Hook:
+    """One concern of the loop. Every method is optional; ``loop`` is the :class:`TrainLoop`.
+
+    Declarations (class attributes, or set in :meth:`on_start`):
+      every: run ``after_step`` only at steps divisible by this: an int, or a config key
+        (``"train.log_every"``) read at the start; 0 never; None every step.
+      at: also run at the ``"last"`` step (``train.steps``) or the ``"final"`` one (last or stopped).
+      produces: the :class:`StepRecord` field ``after_step``'s return value sets for the hooks after it.
+      reads: the produced fields it reads (the loop runs it after their producers).
+      pauses: the loop counts the wall time of its ``after_step`` (less any evaluation inside it) as
+        time that was not training, under this name (e.g. ``"checkpoint"``); train rows leave it out.
+    """
+
+    every: Union[int, str, None] = None
+    at: Optional[str] = None
+    produces: Optional[str] = None
+    reads: tuple[str, ...] = ()
+    pauses: Optional[str] = None
+
+    def on_start(self, loop: "TrainLoop") -> None:
+        """Before the first step."""
+
+    def on_compile(self, loop: "TrainLoop", compiled: Any, seconds: float) -> None:
+        """After the train step compiled (on the first batch)."""
+
+    def before_step(self, loop: "TrainLoop", step: int) -> None:
+        """Before step ``step`` is dispatched (every step)."""
+
+    def after_step(self, loop: "TrainLoop", rec: StepRecord) -> Any:
+        """After the step was dispatched, when due; returns the value of ``produces`` (if any)."""
+
+    def on_end(self, loop: "TrainLoop", ok: bool) -> None:
+        """After the loop (in the same order); ``ok`` is False when an exception ends it."""
+
+
+def ordered(hooks: Sequence[Hook]) -> list[Hook]:
+    """``hooks`` ordered so each runs after the producers of what it reads; otherwise in the given order.
+
+    Raises:
+      ValueError: a hook reads a field no hook produces, two hooks produce one field, or the reads
+        form a cycle (each named).
+    """
+    producer: dict[str, Hook] = {}
+    for h in hooks:
+        if h.produces and h.produces in producer:
+            raise ValueError(f"{type(h).__name__} and {type(producer[h.produces]).__name__} both produce "
+                             f"'{h.produces}'")
+        if h.produces:
+            producer[h.produces] = h
+    for h in hooks:
+        unknown = [f for f in h.reads if f not in producer]
+        if unknown:
+            raise ValueError(f"{type(h).__name__} reads '{unknown[0]}', which no hook produces")
+    out: list[Hook] = []
+    done: set[str] = set()
+    left = list(hooks)
+    while left:
+        ready = next((h for h in left if all(f in done for f in h.reads)), None)
+        if ready is None:
+            raise ValueError("hooks read each other's fields in a cycle: "
+                             + ", ".join(type(h).__name__ for h in left))
+        left.remove(ready)
+        out.append(ready)
+        if ready.produces:
+            done.add(ready.produces)
+    return out
+
+
 @dataclass
-class Loop:
-    """What the hooks share: the run, the live state, where rows go, and what happened so far."""
+class TrainLoop:
+    """The loop and everything it owns: the run, the live state, where rows go, the timers, the
+    latest evaluation and step record. Hooks read these; only the loop (and its own methods) write."""
 
     setup: Setup
     state: dict
@@ -67,49 +172,45 @@ class Loop:
     out: Reporter
     result: RunResult
     start: int
-    stopping: str = ""  # set by a hook (the signal's name on SIGTERM/SIGINT): the loop ends after this step
-    last_eval: dict = field(default_factory=dict)  # {'step', 'val_loss', ...} of the latest evaluation
-    committed: Optional[int] = None  # the latest committed checkpoint step, when checkpointing
-    uncounted_flag: Any = None  # the current step's non-finite flag until the guard has counted it
-    nonfinite_streak: int = 0  # skipped steps in a row, as far as the guard has counted
-    # Seconds, summed since the start: waiting for batches, and loop time that was not training
-    # (evaluation, checkpoint saves); train rows report per-interval differences of these.
-    data_wait_s: float = 0.0
-    paused_s: float = 0.0
-    checkpoint_block_s: float = 0.0
     ckpt: Any = None  # the run's Checkpointer (None: checkpoint.enabled=false)
     watch: Any = None  # the hang watchdog (jaxtrain.runtime.watchdog.Watchdog); None: unwatched
+    # Seconds summed since the start: waiting for batches, and time that was not training, by cause
+    # ('evaluation', 'checkpoint'); train rows report per-interval differences of these.
+    data_wait_s: float = 0.0
+    paused: dict = field(default_factory=lambda: {"evaluation": 0.0, "checkpoint": 0.0})
+    last_eval: dict = field(default_factory=dict)  # {'step', 'val_loss', ...} of the latest evaluation
+    record: Optional[StepRecord] = None  # the latest step's, after every hook ran
 
-    def begin(self, what: str, step: int = -1, scale: Optional[float] = 1.0):
-        """Announces device work to the hang watchdog (:meth:`Watchdog.begin`)."""
-        return self.watch.begin(what, step, scale) if self.watch is not None else _Unwatched()
+    @property
+    def cfg(self):
+        return self.setup.cfg
 
     @property
     def n_val(self) -> int:
         """The number of validation batches."""
         return next(iter(self.val.values())).shape[0]
 
-    @property
-    def cfg(self):
-        return self.setup.cfg
+    def begin(self, what: str, step: int = -1, scale: Optional[float] = 1.0):
+        """Announces device work to the hang watchdog (:meth:`Watchdog.begin`)."""
+        return self.watch.begin(what, step, scale) if self.watch is not None else _Unwatched()
 
-    def is_last(self, step: int) -> bool:
-        """The final step of this process: ``train.steps`` or the step a stop was requested at."""
-        return step == self.cfg.train.steps or bool(self.stopping)
-
-    def record(self, step: int, values: dict) -> None:
+    def write(self, step: int, values: dict) -> None:
+        """One metrics row: to the sinks, and to the result."""
         self.sinks.write(step, values)
         self.result.rows.append({"step": step, **values})
 
     def evaluate(self, step: int, record: bool = True) -> dict:
-        """Evaluates the current params on the validation batches; returns (and records) ``{'val_<k>'}``
-        and ``eval_time_s`` (wall seconds, after the train steps in flight finished; not training time).
+        """The current params on the validation batches (once per step: a second call at the same step
+        returns the first's row); returns (and records) ``{'val_<k>'}`` and ``eval_time_s`` (wall
+        seconds, after the train steps in flight finished; counted as paused, not training).
 
         Each batch's metrics are weighted by its ``weight`` (e.g. its loss-mask tokens).
 
         Raises:
           NonFiniteError: the validation loss is NaN or infinite (recorded first; nothing more is saved).
         """
+        if record and self.last_eval.get("step") == step:
+            return {k: v for k, v in self.last_eval.items() if k != "step"}
         jax.block_until_ready(self.state)  # the steps in flight are training time, not evaluation
         t0 = time.perf_counter()
         work = self.begin("the evaluation", step, scale=max(1.0, self.n_val / self.cfg.train.grad_accum))
@@ -120,80 +221,92 @@ class Loop:
         keys = ["loss", *sorted(k for k in outs if k != "loss")]
         row = {f"val_{k}": float(np.average(outs[k], weights=w)) for k in keys}
         row["eval_time_s"] = time.perf_counter() - t0
-        self.paused_s += row["eval_time_s"]
+        self.paused["evaluation"] += row["eval_time_s"]
         if record:
-            self.record(step, row)
+            self.write(step, row)
             self.last_eval = {"step": step, **row}
         if not np.isfinite(row["val_loss"]):
             stop_diverged(self.ckpt, f"the validation loss is {row['val_loss']} at step {step}: the run diverged")
         return row
 
+    def run(self, hooks: Sequence[Hook]) -> None:
+        """Steps ``start + 1 .. train.steps``, or until a hook produces a stop; every hook's
+        ``on_end`` runs even if one of them raises (the first error is raised after)."""
+        hooks = ordered(hooks)
+        step_fn, ok = None, False
+        try:
+            for hook in hooks:
+                hook.on_start(self)
+            cadence = [(h, self._every(h)) for h in hooks]
+            for step in range(self.start + 1, self.cfg.train.steps + 1):
+                t0 = time.perf_counter()
+                batch = next(self.batches)
+                self.data_wait_s += time.perf_counter() - t0
+                if step_fn is None:
+                    step_fn = self._compile(hooks, batch)
+                for hook in hooks:
+                    hook.before_step(self, step)
+                if self.watch is not None:  # at most MAX_IN_FLIGHT steps queued on the devices
+                    self.watch.wait_oldest(MAX_IN_FLIGHT - 1)
+                work = self.begin("the train step", step)
+                self.state, metrics = step_fn(self.state, batch)
+                work.until(metrics["loss"])
+                rec = self._after_step(cadence, StepRecord(step, metrics, step == self.cfg.train.steps))
+                if rec.stop:
+                    break
+            ok = True
+        finally:
+            self.result.state = self.state
+            error = None
+            for hook in hooks:
+                try:
+                    hook.on_end(self, ok)
+                except Exception as err:  # noqa: BLE001 - re-raised below, the first one wins
+                    error = error or err
+            if error is not None and ok:
+                raise error
+
+    def _every(self, hook: Hook) -> Optional[int]:
+        every = hook.every
+        if isinstance(every, str):  # a config key, e.g. 'train.eval_every'
+            section, key = every.split(".")
+            every = getattr(getattr(self.cfg, section), key)
+        return every
+
+    def _compile(self, hooks: Sequence[Hook], batch: dict):
+        """The train step compiled on the first real batch, timed, for the hooks to report."""
+        t0 = time.perf_counter()
+        with self.out.status("compiling the train step"):
+            step_fn = self.setup.fns.train_step.lower(self.state, batch).compile()
+        self.result.compile_s = time.perf_counter() - t0
+        for hook in hooks:
+            hook.on_compile(self, step_fn, self.result.compile_s)
+        return step_fn
+
+    def _after_step(self, cadence, rec: StepRecord) -> StepRecord:
+        for hook, every in cadence:
+            due = (every is None or (every > 0 and rec.step % every == 0)
+                   or (hook.at == "last" and rec.last) or (hook.at == "final" and rec.final))
+            if not due:
+                continue
+            t0, evaluating = time.perf_counter(), self.paused["evaluation"]
+            value = hook.after_step(self, rec)
+            if hook.pauses:
+                inside = self.paused["evaluation"] - evaluating  # already counted as evaluation
+                self.paused[hook.pauses] = self.paused.get(hook.pauses, 0.0) + time.perf_counter() - t0 - inside
+            if hook.produces:
+                rec = dataclasses.replace(rec, **{hook.produces: value})
+        self.record = rec
+        self.result.preempted = rec.stop or self.result.preempted
+        self.result.nonfinite_steps = rec.skipped.total
+        return rec
+
 
 class _Unwatched:
-    """What :meth:`Loop.begin` returns without a watchdog."""
+    """What :meth:`TrainLoop.begin` returns without a watchdog."""
 
     def until(self, array: Any) -> Any:
         return array
 
     def end(self) -> None:
         pass
-
-
-class Hook:
-    """One concern of the loop. Every method is optional; ``loop`` is the shared :class:`Loop`."""
-
-    def on_start(self, loop: Loop) -> None:
-        """Before the first step."""
-
-    def on_compile(self, loop: Loop, compiled: Any, seconds: float) -> None:
-        """After the train step compiled (on the first batch)."""
-
-    def before_step(self, loop: Loop, step: int) -> None:
-        """Before step ``step`` is dispatched."""
-
-    def after_step(self, loop: Loop, step: int, metrics: dict) -> None:
-        """After step ``step`` was dispatched; ``metrics`` are device arrays (reading one waits)."""
-
-    def on_end(self, loop: Loop, ok: bool) -> None:
-        """After the loop; ``ok`` is False when an exception ends it."""
-
-
-def train_loop(loop: Loop, hooks: Sequence[Hook]) -> None:
-    """Steps ``loop.start + 1 .. train.steps``, or until a hook sets ``loop.stopping``."""
-    step_fn, ok = None, False
-    try:
-        for hook in hooks:
-            hook.on_start(loop)
-        for step in range(loop.start + 1, loop.cfg.train.steps + 1):
-            t0 = time.perf_counter()
-            batch = next(loop.batches)
-            loop.data_wait_s += time.perf_counter() - t0
-            if step_fn is None:  # compile on the first real batch, timed, for the hooks to report
-                t0 = time.perf_counter()
-                with loop.out.status("compiling the train step"):
-                    step_fn = loop.setup.fns.train_step.lower(loop.state, batch).compile()
-                loop.result.compile_s = time.perf_counter() - t0
-                for hook in hooks:
-                    hook.on_compile(loop, step_fn, loop.result.compile_s)
-            for hook in hooks:
-                hook.before_step(loop, step)
-            if loop.watch is not None:  # at most MAX_IN_FLIGHT steps queued on the devices
-                loop.watch.wait_oldest(MAX_IN_FLIGHT - 1)
-            work = loop.begin("the train step", step)
-            loop.state, metrics = step_fn(loop.state, batch)
-            work.until(metrics["loss"])
-            for hook in hooks:
-                hook.after_step(loop, step, metrics)
-            if loop.stopping:
-                break
-        ok = True
-    finally:
-        loop.result.state = loop.state
-        error = None
-        for hook in hooks:  # every hook ends (closes its files) even if one of them raises
-            try:
-                hook.on_end(loop, ok)
-            except Exception as err:  # noqa: BLE001 - re-raised below, the first one wins
-                error = error or err
-        if error is not None and ok:
-            raise error

@@ -42,10 +42,10 @@ def opened(cfg: Config, new: bool = False, lock: bool = True) -> Iterator[Path]:
         ``new``, or is a non-empty directory that is not a jaxtrain run directory (so a user's files
         are never overwritten).
     """
-    from jaxtrain.parallel import distributed
+    from jaxtrain.runtime import heartbeat
     run_dir = Path(cfg.run.dir).expanduser()
     # Many processes: process 0 checks, creates, locks and writes it; an error there is every process's.
-    held = distributed.primary_first("run_dir", lambda: _open(run_dir, new, lock))
+    held = heartbeat.primary_first("run_dir", lambda: _open(run_dir, new, lock))
     try:
         yield run_dir
     finally:

@@ -30,7 +30,7 @@ from jaxtrain.parallel.activations import activation_sharding
 from jaxtrain.parallel.rules import Rules, path_str, tree_shardings
 from jaxtrain.errors import ShardingError
 from jaxtrain.train.optimizer import applied_count, hyperparameters, learning_rate, optimizer
-from jaxtrain.train.spec import ModelSpec
+from jaxtrain.train.model_spec import ModelSpec
 
 
 @dataclass

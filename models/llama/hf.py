@@ -208,7 +208,7 @@ class DecoderHF:
           ConfigError: a missing or mistyped size, or a field that would change the math and that this
             family does not compute, naming the field and its value.
         """
-        r = _Reader(hf, self.architectures[hf["architectures"][0]])
+        r = ConfigReader(hf, self.architectures[hf["architectures"][0]])
         d_model, n_heads = r.int("hidden_size"), r.int("num_attention_heads")
         keys = {"vocab_size": r.int("vocab_size"), "d_model": d_model, "n_layers": r.int("num_hidden_layers"),
                 "n_heads": n_heads, "n_kv_heads": r.int("num_key_value_heads", default=n_heads),
@@ -248,7 +248,7 @@ class DecoderHF:
                          f"it): {', '.join(unread)}")
         return keys, notes
 
-    def extra_model_keys(self, r: "_Reader", notes: list[str]) -> dict:
+    def extra_model_keys(self, r: "ConfigReader", notes: list[str]) -> dict:
         """The family's own ``model.*`` keys from config.json (appending notes for the user to ``notes``)."""
         return {}
 
@@ -293,7 +293,7 @@ class LlamaHF(DecoderHF):
     }
 
 
-class _Reader:
+class ConfigReader:
     """Typed reads of config.json values; every problem is a ConfigError naming the field and value."""
 
     REQUIRED = object()
@@ -334,7 +334,7 @@ def _number(name: str, value: Any) -> float:
     return float(value)
 
 
-def _rope(r: _Reader, max_positions: int) -> tuple[float, dict | None]:
+def _rope(r: ConfigReader, max_positions: int) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling as ``model.rope_scaling`` keys or None) from config.json.
 
     transformers 4 writes ``rope_theta`` and ``rope_scaling`` (``type`` or ``rope_type``);

@@ -18,13 +18,9 @@ Parameter layout (logical names):
   layers.i.attn_norm / mlp_norm.scale, final_norm.scale   [embed]
   lm_head                [embed, vocab]  (absent when tie_embeddings)
 
-With ``scan_layers`` the blocks are one module whose parameters are stacked on a
-leading 'layers' dim (``layers.attn.wq [layers, embed, heads, kv]``, ...), run
-by ``jax.lax.scan``: the compiled step holds one block, so compile time stays
-flat as depth grows. The initial values equal the unstacked layout's. ``remat``
-recomputes each block's activations in the backward pass: 'full' saves only
-the block input, 'save_matmuls' also keeps the weight-matmul outputs (JAX's
-``dots_with_no_batch_dims_saveable``, MaxText's "minimal" policy).
+The embedding, the (scanned or unrolled, rematerialised) block stack, the final norm and the
+head are the shared :class:`jaxtrain.models.decoder.Decoder`'s (``model.scan_layers`` stacks
+every ``layers.i.x`` into ``layers.x [layers, ...]``); this module supplies the block.
 """
 from __future__ import annotations
 
@@ -37,48 +33,14 @@ import numpy as np
 from flax import nnx
 
 from jaxtrain.models.attention import attention
+from jaxtrain.models.decoder import Decoder
+from jaxtrain.models.layers import RMSNorm, param, project
 from jaxtrain.models.llama.config import LlamaConfig, RopeScaling
-from jaxtrain.parallel.activations import constrain, devices_along
+from jaxtrain.parallel.activations import constrain
 
 # Every logical name the parameters and activations below use (each rule set must name them all).
 LOGICAL_AXES = ("batch", "length", "residual_length", "kv_length", "embed", "vocab", "heads", "kv_heads",
                 "kv", "mlp", "layers")
-
-
-def project(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
-    """Contracts x's last ``n_in`` dims with w's first ``n_in``: [*lead, *in] x [*in, *out] -> [*lead, *out].
-
-    Done as one 2-D matmul on [prod(lead), prod(in)] (row-major reshapes are free): XLA:CPU
-    lowers a 3-D dot_general's weight gradient (contracting batch and length) with a
-    transposing copy fused into the producer, which made the 25M benchmark step ~1.8x
-    slower. When the rules split the logical 'length' over devices (sp), a plain tensordot
-    instead: merging a split length into the batch made GSPMD all-gather ~10x more. (tp splits
-    'residual_length' instead; the projection gathers it either way, with the same collectives.)
-    """
-    lead, dims_in, dims_out = x.shape[:x.ndim - n_in], w.shape[:n_in], w.shape[n_in:]
-    if len(lead) == 2 and devices_along(lead, ("batch", "length"), 1) > 1:
-        # The length is split over devices (sequence parallelism): merging it into the batch
-        # would make GSPMD gather it, so contract the 3-D layout directly.
-        return jnp.tensordot(x, w, axes=n_in)
-    k = math.prod(dims_in)
-    return (x.reshape(-1, k) @ w.reshape(k, -1)).reshape(*lead, *dims_out)
-
-
-def _param(rngs: nnx.Rngs, shape, axes, std, dtype) -> nnx.Param:
-    return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.dtype(dtype)), axes=axes)
-
-
-class RMSNorm(nnx.Module):
-    """y = x / sqrt(mean(x^2) + eps) * scale, computed in float32. x: [..., embed]."""
-
-    def __init__(self, cfg: LlamaConfig):
-        self.eps = cfg.norm_eps
-        self.scale = nnx.Param(jnp.ones((cfg.d_model,), jnp.dtype(cfg.param_dtype)), axes=("embed",))
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: Optional[RopeScaling] = None) -> jax.Array:
@@ -138,10 +100,10 @@ class Attention(nnx.Module):
         self.cfg = cfg
         d, h, kvh, hd, pd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.param_dtype
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)  # GPT-2 residual scaling
-        self.wq = _param(rngs, (d, h, hd), ("embed", "heads", "kv"), cfg.init_std, pd)
-        self.wk = _param(rngs, (d, kvh, hd), ("embed", "kv_heads", "kv"), cfg.init_std, pd)
-        self.wv = _param(rngs, (d, kvh, hd), ("embed", "kv_heads", "kv"), cfg.init_std, pd)
-        self.wo = _param(rngs, (h, hd, d), ("heads", "kv", "embed"), out_std, pd)
+        self.wq = param(rngs, (d, h, hd), ("embed", "heads", "kv"), cfg.init_std, pd)
+        self.wk = param(rngs, (d, kvh, hd), ("embed", "kv_heads", "kv"), cfg.init_std, pd)
+        self.wv = param(rngs, (d, kvh, hd), ("embed", "kv_heads", "kv"), cfg.init_std, pd)
+        self.wo = param(rngs, (h, hd, d), ("heads", "kv", "embed"), out_std, pd)
 
     def __call__(self, x: jax.Array, positions: Optional[jax.Array],
                  segment_ids: Optional[jax.Array] = None) -> jax.Array:
@@ -167,9 +129,9 @@ class MLP(nnx.Module):
         self.dtype = jnp.dtype(cfg.dtype)
         d, f, pd = cfg.d_model, cfg.d_ff, cfg.param_dtype
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
-        self.w_gate = _param(rngs, (d, f), ("embed", "mlp"), cfg.init_std, pd)
-        self.w_up = _param(rngs, (d, f), ("embed", "mlp"), cfg.init_std, pd)
-        self.w_down = _param(rngs, (f, d), ("mlp", "embed"), out_std, pd)
+        self.w_gate = param(rngs, (d, f), ("embed", "mlp"), cfg.init_std, pd)
+        self.w_up = param(rngs, (d, f), ("embed", "mlp"), cfg.init_std, pd)
+        self.w_down = param(rngs, (f, d), ("mlp", "embed"), out_std, pd)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = self.dtype
@@ -179,7 +141,7 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    """Pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(.))."""
+    """Pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(.)). x [batch, length, embed] -> same."""
 
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg)
@@ -194,81 +156,17 @@ class Block(nnx.Module):
         return constrain(x, "batch", "residual_length", "embed")
 
 
-class Llama(nnx.Module):
-    """Decoder-only LM. tokens [batch, length] int32 -> logits [batch, length, vocab] float32."""
+class Llama(Decoder):
+    """Decoder-only LM. tokens [batch, length] int32 -> logits [batch, length, vocab] float32.
 
-    block_type = Block  # the decoder block (the mixtral family swaps in its MoE block)
+    The shared decoder (``models/decoder.py``: embedding, block stack, final norm, head) around
+    :class:`Block`.
+    """
 
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
-        if cfg.vocab_size < 1:
-            raise ValueError(f"{type(self).__name__} needs a resolved vocab_size, got {cfg.vocab_size}")
-        self.cfg = cfg
-        pd = cfg.param_dtype
-        self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, param_dtype=jnp.dtype(pd), rngs=rngs,
-                               embedding_init=nnx.initializers.normal(cfg.init_std))
-        self.embed.embedding.set_metadata(axes=("vocab", "embed"))
-        blocks = [self.block_type(cfg, rngs) for _ in range(cfg.n_layers)]
-        self.layers = stack_blocks(blocks) if cfg.scan_layers else nnx.List(blocks)
-        self.final_norm = RMSNorm(cfg)
-        if not cfg.tie_embeddings:
-            self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std, pd)
+    block_type = Block
 
     def __call__(self, tokens: jax.Array, positions: Optional[jax.Array] = None,
                  segment_ids: Optional[jax.Array] = None) -> jax.Array:
         """tokens, positions, segment_ids: [batch, length] int32 (positions default to 0..length-1;
         segment_ids restrict attention to tokens of the same packed document)."""
-        dt = jnp.dtype(self.cfg.dtype)
-        # Gather the FSDP shards of the table before the lookup (as FSDP does for every
-        # weight); a lookup into an fsdp-sharded embed dim forces a full rematerialisation.
-        table = constrain(self.embed.embedding[...], "vocab", None)
-        x = constrain(table[tokens].astype(dt), "batch", "residual_length", "embed")
-        if self.cfg.scan_layers:
-            x = scan_blocks(self.layers, x, positions, segment_ids, self.cfg.remat)
-        else:
-            for block in self.layers:
-                x = remat_block(block, x, positions, segment_ids, self.cfg.remat)
-        x = self.final_norm(x)
-        head = self.embed.embedding[...].T if self.cfg.tie_embeddings else self.lm_head[...]
-        logits = project(x, head.astype(dt)).astype(jnp.float32)
-        return constrain(logits, "batch", "length", "vocab")
-
-
-REMAT_POLICIES = {"full": None, "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
-
-
-def _checkpoint(fn, remat: str, prevent_cse: bool = True):
-    if remat == "none":
-        return fn
-    if remat not in REMAT_POLICIES:
-        raise ValueError(f"model.remat: unknown policy '{remat}' (known: none, {', '.join(REMAT_POLICIES)})")
-    return jax.checkpoint(fn, policy=REMAT_POLICIES[remat], prevent_cse=prevent_cse)
-
-
-def remat_block(block: Block, x: jax.Array, positions, segment_ids, remat: str) -> jax.Array:
-    """One block, its activations recomputed in the backward pass under ``remat``."""
-    if remat == "none":
-        return block(x, positions, segment_ids)
-    graphdef, state = nnx.split(block)
-    run = lambda h, st: nnx.merge(graphdef, st)(h, positions, segment_ids)  # noqa: E731
-    return _checkpoint(run, remat)(x, state)
-
-
-def stack_blocks(blocks: list[Block]) -> Block:
-    """One Block whose parameters are the blocks' stacked on a leading 'layers' dim."""
-    graphdef, _ = nnx.split(blocks[0])
-    stacked = nnx.merge(graphdef, jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *map(nnx.state, blocks)))
-    for _, node in nnx.iter_graph(stacked):
-        if isinstance(node, nnx.Param):
-            node.set_metadata(axes=("layers", *node.get_metadata()["axes"]))
-    return stacked
-
-
-def scan_blocks(stacked: Block, x: jax.Array, positions, segment_ids, remat: str) -> jax.Array:
-    """x [batch, length, embed] through every layer of a stacked Block with ``jax.lax.scan``."""
-    graphdef, state = nnx.split(stacked)
-
-    def body(h, layer_state):
-        return nnx.merge(graphdef, layer_state)(h, positions, segment_ids), None
-
-    x, _ = jax.lax.scan(_checkpoint(body, remat, prevent_cse=False), x, state)
-    return x
+        return self.decode(tokens, positions, segment_ids)[0]

@@ -35,7 +35,7 @@ from typing import Optional
 import numpy as np
 
 from jaxtrain.errors import ConfigError
-from jaxtrain.models.llama.hf import DecoderHF, _Reader
+from jaxtrain.models.llama.hf import ConfigReader, DecoderHF
 
 
 class MixtralHF(DecoderHF):
@@ -95,7 +95,7 @@ class MixtralHF(DecoderHF):
                 "router_jitter_noise": 0.0, "output_router_logits": False,
                 "router_aux_loss_coef": cfg.aux_loss_weight / cfg.top_k}
 
-    def extra_model_keys(self, r: _Reader, notes: list[str]) -> dict:
+    def extra_model_keys(self, r: ConfigReader, notes: list[str]) -> dict:
         """n_experts and top_k; a note for ``router_aux_loss_coef`` (a training choice of the user's config).
 
         Raises:

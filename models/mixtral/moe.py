@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.kernels.moe import routed_experts, top_k
-from jaxtrain.models.llama.model import _param, project
+from jaxtrain.models.layers import param, project
 from jaxtrain.models.mixtral.config import MixtralConfig
 from jaxtrain.parallel.activations import constrain
 
@@ -68,10 +68,10 @@ class MoE(nnx.Module):
         self.cfg = cfg
         d, f, e, pd = cfg.d_model, cfg.d_ff, cfg.n_experts, cfg.param_dtype
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
-        self.router = _param(rngs, (d, e), ("embed", None), cfg.init_std, pd)
-        self.w_gate = _param(rngs, (e, d, f), ("exp", "embed", "mlp"), cfg.init_std, pd)
-        self.w_up = _param(rngs, (e, d, f), ("exp", "embed", "mlp"), cfg.init_std, pd)
-        self.w_down = _param(rngs, (e, f, d), ("exp", "mlp", "embed"), out_std, pd)
+        self.router = param(rngs, (d, e), ("embed", None), cfg.init_std, pd)
+        self.w_gate = param(rngs, (e, d, f), ("exp", "embed", "mlp"), cfg.init_std, pd)
+        self.w_up = param(rngs, (e, d, f), ("exp", "embed", "mlp"), cfg.init_std, pd)
+        self.w_down = param(rngs, (e, f, d), ("exp", "mlp", "embed"), out_std, pd)
 
     def __call__(self, x: jax.Array, mask: Optional[jax.Array] = None) -> tuple[jax.Array, dict]:
         """``mask`` [batch, length] (0: padding; None: every token is real): padding is routed nowhere,

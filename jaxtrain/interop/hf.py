@@ -13,7 +13,7 @@ and writes a run directory whose step-0 checkpoint holds the imported params and
 state, so ``python -m jaxtrain.train`` with the run's config.yaml continues from them. The user's
 config and overrides still choose everything else (dtypes, attention, remat, data, train, ...);
 an override of a model key that contradicts config.json is refused by name. Every problem is
-found before anything is written. See ``jaxtrain.train.hf_files`` for the file formats.
+found before anything is written. See ``jaxtrain.interop.hf_files`` for the file formats.
 """
 from __future__ import annotations
 
@@ -37,10 +37,10 @@ from jaxtrain.models import registry
 from jaxtrain.models.family import Family, HFConverter
 from jaxtrain.parallel import host_data
 from jaxtrain.train import lm, rundir
-from jaxtrain.train.hf_files import (CONFIG_FILE, DEFAULT_MAX_SHARD_SIZE, INDEX_FILE, WEIGHTS_FILE, load_tensors,
+from jaxtrain.interop.hf_files import (CONFIG_FILE, DEFAULT_MAX_SHARD_SIZE, INDEX_FILE, WEIGHTS_FILE, load_tensors,
                                      parse_size, read_hf_config, weight_files, write_weights)
 from jaxtrain.train.optimizer import hyperparameters, optimizer
-from jaxtrain.train.setup import setup
+from jaxtrain.train.assembly import setup
 
 __all__ = ["CONFIG_FILE", "DEFAULT_MAX_SHARD_SIZE", "INDEX_FILE", "WEIGHTS_FILE", "converter", "export",
            "family_for", "import_config", "import_hf", "model_keys"]

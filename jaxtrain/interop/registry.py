@@ -3,7 +3,7 @@
     python -m jaxtrain.export RUN_DIR --register NAME [--alias candidate] [--step N]
 
 The step (default: the latest committed) is exported as Hugging Face safetensors
-(``jaxtrain.train.hf``), logged as artifacts of the run's MLflow run (the one the ``mlflow``
+(``jaxtrain.interop.hf``), logged as artifacts of the run's MLflow run (the one the ``mlflow``
 sink wrote, its id in ``RUN_DIR/mlflow_run_id``; else a new run in ``metrics.mlflow_experiment``),
 and registered as a new version of model ``NAME`` whose tags carry its lineage: the run
 directory, the step, the SHA-256 of ``config.yaml``, the validation loss at that step and the
@@ -29,7 +29,7 @@ from jaxtrain.errors import ConfigError
 from jaxtrain.metrics.external import quiet_mlflow
 from jaxtrain.metrics.external import tracking_uri
 from jaxtrain.metrics.sinks import read_metrics
-from jaxtrain.train import hf
+from jaxtrain.interop import hf
 from jaxtrain.errors import RegistryError
 
 

@@ -32,7 +32,7 @@ from jaxtrain.models.family import Family
 from jaxtrain.parallel.mesh import build_mesh, resolve_sizes
 from jaxtrain.parallel.rules import Rules, check_mesh_used
 from jaxtrain.train import lm, step
-from jaxtrain.train.spec import ModelSpec
+from jaxtrain.train.model_spec import ModelSpec
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """``fit``: train a config's model family, or any Flax NNX model, on the config's mesh and rules.
 
-Everything is validated before anything is written or compiled (``jaxtrain.train.setup``).
+Everything is validated before anything is written or compiled (``jaxtrain.train.assembly``).
 Rerunning with the same ``run.dir`` resumes from the latest committed checkpoint: model,
 optimizer, step, RNG and data position.
 """
@@ -20,14 +20,14 @@ from jaxtrain.metrics import flops
 from jaxtrain.metrics.console import Reporter, format_flops
 from jaxtrain.metrics.profile import StepProfiler
 from jaxtrain.metrics.sinks import Sinks
-from jaxtrain.parallel import distributed
 from jaxtrain.parallel import host_data
 from jaxtrain.parallel.mesh import describe
 from jaxtrain.runtime.watchdog import Watchdog
-from jaxtrain.train import host_memory, hooks as H, preempt, rundir
-from jaxtrain.train.loop import Hook, Loop, RunResult, train_loop
-from jaxtrain.train.setup import Setup, setup
-from jaxtrain.train.spec import ModelSpec
+from jaxtrain.runtime import heartbeat, host_memory, signals
+from jaxtrain.train import hooks as H, rundir
+from jaxtrain.train.loop import Hook, RunResult, TrainLoop
+from jaxtrain.train.assembly import Setup, setup
+from jaxtrain.train.model_spec import ModelSpec
 from jaxtrain.train.step import count_params
 
 
@@ -51,46 +51,37 @@ def fit(cfg: Config, spec: Optional[ModelSpec] = None, data: Any = None, *,
     """
     if spec is not None and data is None:
         raise ValueError("fit: a ModelSpec needs its data source (e.g. jaxtrain.data.ArrayData)")
-    primary = distributed.is_primary()
+    primary = heartbeat.is_primary()
     if cfg.run.reuse_host_memory:
         host_memory.reuse_freed_memory()
     out = Reporter(quiet=quiet or not cfg.run.progress, total=cfg.train.steps, silent=not primary)
     with out.status("checking the config, loading the data"):
         s = setup(cfg, devices, spec=spec, data=data, load_data=True, run_dir=Path(cfg.run.dir).expanduser())
-    preempt.check_startup()  # a signal while the data loaded (the command line's start-up only)
+    signals.check_startup()  # a signal while the data loaded (the command line's start-up only)
     with rundir.opened(cfg, lock=primary) as run_dir:
         return _fit(s, run_dir, out, hooks)
 
 
 def _fit(s: Setup, run_dir: Path, out: Reporter, extra: Sequence[Hook]) -> RunResult:
     cfg, data = s.cfg, s.data
-    primary = distributed.is_primary()  # writes the run's files; the others write nothing
+    primary = heartbeat.is_primary()  # writes the run's files; the others write nothing
     if data.tokenizer is not None and primary:
         tokenizers.save(data.tokenizer, run_dir)
     for line in data.info:
         out.info(line)
     sinks = Sinks(cfg, run_dir, out, s.spec.unit, primary=primary)
     result = RunResult(run_dir=run_dir)
-    loop: Optional[Loop] = None
+    loop: Optional[TrainLoop] = None
 
     def on_checkpoint(row: dict) -> None:  # committed or failed saves, reported by the checkpointer
-        loop.record(row.pop("step"), row)
+        loop.write(row.pop("step"), row)
 
     try:
-        ckpt = (Checkpointer(cfg, run_dir, dict(s.mesh.shape), on_checkpoint, log=out.info)
-                if cfg.checkpoint.enabled else None)
-        if ckpt and ckpt.removed:
-            out.info(f"removed unfinished checkpoint saves of an earlier run: {', '.join(ckpt.removed)}")
-        if ckpt and ckpt.ignored:
-            out.info(f"[yellow]note:[/] {ckpt.store.url} holds {', '.join(ckpt.ignored)}: not committed checkpoints "
-                     f"and not written by jaxtrain, so left alone and never restored")
-        if ckpt and ckpt.set_aside_names:
-            out.info(f"[yellow]note:[/] {ckpt.store.url} holds {', '.join(ckpt.set_aside_names)}: corrupt steps set "
-                     f"aside by checkpoint.fallback, never restored")
+        ckpt = open_checkpointer(s, run_dir, out, on_checkpoint)
         batches = data.iterator(s.fns.batch_sharding)
         state = resume(s, ckpt, batches, run_dir, out)
         result.start_step = start = int(jax.device_get(state["step"]))
-        preempt.check_startup()
+        signals.check_startup()
         if ckpt:
             _check_no_clash(ckpt, start, cfg.train.steps)
         if primary:
@@ -107,15 +98,12 @@ def _fit(s: Setup, run_dir: Path, out: Reporter, extra: Sequence[Hook]) -> RunRe
                      f"parameters (e.g. {s.fns.low_precision[0]}) and their Adam moments are updated in place; "
                      f"updates below a weight's resolution are lost")
         watch = Watchdog(cfg.train.hang_timeout_s, run_dir, jax.process_index())
-        loop = Loop(s, state, batches, val, sinks, out, result, start, ckpt=ckpt, watch=watch)
-        stop = H.StopOnSignal()
-        hooks = [H.GarbageCollection(), H.CompileReport(), stop, H.NonFiniteGuard(), H.LogMetrics(peak), H.Evaluate(),
-                 *([H.Checkpointing(ckpt)] if ckpt else []), H.Profile(StepProfiler(cfg, run_dir)), H.Progress()]
-        if data.tokenizer is not None:
-            hooks.append(H.Sample(data.tokenizer, getattr(data, "bos_id", None)))
+        loop = TrainLoop(s, state, batches, val, sinks, out, result, start, ckpt=ckpt, watch=watch)
+        hooks = builtin_hooks(s, ckpt, peak, run_dir)
+        stop = next(h for h in hooks if isinstance(h, H.StopOnSignal))
         ok = False
         try:
-            train_loop(loop, [*hooks, *extra])
+            loop.run([*hooks, *extra])
             ok = True
         finally:
             stop.release(ok)
@@ -123,6 +111,32 @@ def _fit(s: Setup, run_dir: Path, out: Reporter, extra: Sequence[Hook]) -> RunRe
     finally:
         sinks.close()
     return result
+
+
+def builtin_hooks(s: Setup, ckpt: Optional[Checkpointer], peak: Optional[float], run_dir: Path) -> list[Hook]:
+    """The hooks of every run (the loop orders them by what they produce and read)."""
+    hooks = [H.GarbageCollection(), H.CompileReport(), H.StopOnSignal(), H.NonFiniteGuard(), H.LogMetrics(peak),
+             H.Evaluate(), *([H.Checkpointing(ckpt)] if ckpt else []), H.Profile(StepProfiler(s.cfg, run_dir)),
+             H.Progress()]
+    if s.data.tokenizer is not None:
+        hooks.append(H.Sample(s.data.tokenizer, getattr(s.data, "bos_id", None)))
+    return hooks
+
+
+def open_checkpointer(s: Setup, run_dir: Path, out: Reporter, on_checkpoint) -> Optional[Checkpointer]:
+    """The run's Checkpointer (None with ``checkpoint.enabled=false``), after saying what it found."""
+    if not s.cfg.checkpoint.enabled:
+        return None
+    ckpt = Checkpointer(s.cfg, run_dir, dict(s.mesh.shape), on_checkpoint, log=out.info)
+    if ckpt.removed:
+        out.info(f"removed unfinished checkpoint saves of an earlier run: {', '.join(ckpt.removed)}")
+    if ckpt.ignored:
+        out.info(f"[yellow]note:[/] {ckpt.store.url} holds {', '.join(ckpt.ignored)}: not committed checkpoints "
+                 f"and not written by jaxtrain, so left alone and never restored")
+    if ckpt.set_aside_names:
+        out.info(f"[yellow]note:[/] {ckpt.store.url} holds {', '.join(ckpt.set_aside_names)}: corrupt steps set "
+                 f"aside by checkpoint.fallback, never restored")
+    return ckpt
 
 
 def put_validation(val: dict, sharding: NamedSharding) -> dict:

@@ -18,10 +18,10 @@ import threading
 import time
 from typing import Callable, Optional
 
-import numpy as np
-from jaxtrain.errors import StartupInterrupted
+from jaxtrain.errors import GRACE_EXIT, StartupInterrupted
+from jaxtrain.runtime import heartbeat
 
-GRACE_EXPIRED_EXIT = 75  # EX_TEMPFAIL: the job may be retried
+GRACE_EXPIRED_EXIT = GRACE_EXIT  # 75, EX_TEMPFAIL: the job may be retried
 
 
 class _Wakeup:
@@ -131,15 +131,14 @@ class Preemption:
               f"{signal.Signals(self.signum).name} before the checkpoint committed{waiting}; exiting "
               f"(the latest committed checkpoint is intact)", file=sys.stderr, flush=True)
         sys.stdout.flush()
-        distributed = sys.modules.get("jaxtrain.parallel.distributed")
-        if distributed is not None and distributed.joined():  # the other processes end the same way
-            distributed.leave(GRACE_EXPIRED_EXIT)
+        if heartbeat.joined():  # the other processes end the same way
+            heartbeat.leave(GRACE_EXPIRED_EXIT)
         os._exit(GRACE_EXPIRED_EXIT)
 
     @property
     def requested(self) -> bool:
         """True once a signal arrived in this process (many processes agree through
-        :class:`StopAgreement`)."""
+        :class:`jaxtrain.runtime.agreement.StopAgreement`)."""
         return self.signum is not None
 
     @property
@@ -149,41 +148,6 @@ class Preemption:
     def finished(self) -> None:
         """The save committed: stop the watchdog."""
         self._done.set()
-
-
-class StopAgreement:
-    """Many processes stop at the same step: each check all-reduces (max) every process's signal
-    number with a tiny jitted collective over the run's devices. The result is read at the *next*
-    check, so the host never waits for it, and every process reads the same value at the same step.
-
-    Args:
-      devices: every device of the job (the mesh's), in the same order on every process.
-    """
-
-    def __init__(self, devices):
-        import jax
-        import jax.numpy as jnp
-        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-        mesh = Mesh(np.asarray(devices).reshape(-1), ("processes",))
-        self.sharding = NamedSharding(mesh, P("processes"))
-        self.n_local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
-        self.n = mesh.devices.size
-        self._reduce = jax.jit(jnp.max, out_shardings=NamedSharding(mesh, P()))
-        self._pending = None
-
-    def exchange(self, signum: Optional[int]) -> int:
-        """Sends this process's signal number (0: none); returns the job's largest at the previous
-        exchange (0 at the first)."""
-        import jax
-        agreed = int(self._pending) if self._pending is not None else 0
-        local = np.full((self.n_local,), signum or 0, np.int32)
-        self._pending = self._reduce(jax.make_array_from_process_local_data(self.sharding, local, (self.n,)))
-        return agreed
-
-    @property
-    def pending(self):
-        """The exchange in flight (a device array), for the hang watchdog."""
-        return self._pending
 
 
 STARTUP_EXIT_AFTER_S = 3.0  # a phase that runs on (compiling, a large read) is not waited for longer
@@ -252,7 +216,6 @@ def _startup_arm(signum: int) -> None:
 def _exit_if_still_starting(signum: int) -> None:
     if not _startup["over"].wait(STARTUP_EXIT_AFTER_S):
         code = report_startup_stop(StartupInterrupted(signum))
-        distributed = sys.modules.get("jaxtrain.parallel.distributed")
-        if distributed is not None and distributed.joined():  # a multi-process run: its peers are told
-            distributed.leave(code)
+        if heartbeat.joined():  # a multi-process run: its peers are told
+            heartbeat.leave(code)
         os._exit(code)

@@ -1,0 +1,228 @@
+"""The processes of a job watch each other: a heartbeat through the coordination service, one
+exit code for all when one leaves or dies, and one voice (process 0 writes output).
+
+Every process bumps a counter in the coordinator's key-value store; one that stays still for
+``distributed.peer_timeout_s`` ends the others with :data:`jaxtrain.errors.PEER_EXIT` and a line
+naming it (:class:`Heartbeat`). A process that ends early (:func:`leave`) tells the others first.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Callable, Optional
+
+from jaxtrain import errors
+from jaxtrain.errors import PEER_EXIT, InputError, JaxtrainError
+
+EXIT_CODE = PEER_EXIT
+log = logging.getLogger("jaxtrain")
+
+
+def _every(seconds: float, stop: threading.Event, tick: Callable[[float], bool], name: str) -> threading.Thread:
+    """A daemon thread calling ``tick(elapsed)`` every ``seconds`` until ``stop`` is set or tick is False."""
+    def run() -> None:
+        t0 = time.monotonic()
+        while not stop.wait(seconds):
+            if not tick(time.monotonic() - t0):
+                return
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+def die(message: str, code: int = EXIT_CODE) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    if _heartbeat["current"] is not None:  # joined: tell the others
+        leave(code)
+    os._exit(code)
+
+
+class Heartbeat:
+    """Every process bumps a counter in the coordinator's key-value store. Process 0 watches every
+    counter, the others watch process 0's: one that stays still for ``distributed.peer_timeout_s``
+    (killed, out of memory, a lost node), or a coordinator that stops answering, ends this process
+    with :data:`EXIT_CODE` and a line naming it, and the others hear of it (:func:`leave`). A process
+    that finished marks itself done first, so its silence is not taken for a death; one that left
+    (:func:`leave`) ends the others with its exit code.
+    """
+
+    def __init__(self, peer_timeout_s: float):
+        from jax._src import distributed as jd
+        state = jd.global_state
+        self.client, self.pid, self.n = state.client, state.process_id, state.num_processes
+        self.timeout, self.count, self.stop = peer_timeout_s, 0, threading.Event()
+        self.seen: dict[int, tuple[str, float]] = {}
+        self.failing_since: Optional[float] = None
+        self.interval = max(0.5, min(5.0, peer_timeout_s / 6))
+        self.thread = _every(self.interval, self.stop, self._tick, "jaxtrain-heartbeat")
+
+    def _tick(self, elapsed: float) -> bool:
+        now = time.monotonic()
+        try:
+            self.count += 1
+            self.client.key_value_set(f"jaxtrain/alive/{self.pid}", str(self.count), allow_overwrite=True)
+            # Process 0 watches everyone, the others watch process 0 (which then tells them): O(N) reads.
+            if self.pid == 0:
+                alive = dict(self.client.key_value_dir_get("jaxtrain/alive/"))
+            else:
+                alive = {"jaxtrain/alive/0": self._try_get("jaxtrain/alive/0")}
+            done = {k.rsplit("/", 1)[-1] for k, _ in self.client.key_value_dir_get("jaxtrain/done/")}
+            left = {int(k.rsplit("/", 1)[-1]): v for k, v in self.client.key_value_dir_get("jaxtrain/exit/")}
+            self.failing_since = None
+        except Exception as err:  # noqa: BLE001 - the coordinator (process 0) is gone or unreachable
+            if self.stop.is_set():
+                return False
+            self.failing_since = self.failing_since or now
+            if now - self.failing_since >= self.timeout:
+                die(f"distributed.peer_timeout_s: the coordinator (process 0) has not answered for "
+                     f"{now - self.failing_since:.0f} s ({type(err).__name__}); it died or its node was lost. "
+                     f"Stopping process {self.pid} too; committed checkpoints are intact, rerun to resume")
+            return True
+        for p, code in sorted(left.items()):
+            if p != self.pid and not self.stop.is_set():
+                self._peer_left(p, int(code))
+        for p in (range(self.n) if self.pid == 0 else [0]):
+            value = alive.get(f"jaxtrain/alive/{p}", "")
+            if p == self.pid or str(p) in done:
+                continue
+            if self.seen.get(p, (None,))[0] != value:
+                self.seen[p] = (value, now)
+            elif now - self.seen[p][1] >= self.timeout and not self.stop.is_set():
+                die(f"distributed.peer_timeout_s: process {p} of {self.n} sent no heartbeat for "
+                     f"{now - self.seen[p][1]:.0f} s; it died or hangs (killed, out of memory, a lost node). "
+                     f"Stopping process {self.pid} too; committed checkpoints are intact, rerun to resume")
+        return True
+
+    def _try_get(self, key: str) -> str:
+        try:
+            return self.client.key_value_try_get(key)
+        except Exception as err:  # noqa: BLE001 - not written yet (NOT_FOUND); anything else is re-raised
+            if "NOT_FOUND" in str(err) or "not found" in str(err).lower():
+                return ""
+            raise
+
+    def _peer_left(self, p: int, code: int) -> None:
+        """Process ``p`` ended early (:func:`leave`): the others cannot go on without it."""
+        self.stop.set()
+        if code == 0:  # a signal before the first step: nothing was trained anywhere
+            print(f"process {p} of {self.n} stopped on a signal before the first training step; stopping process "
+                  f"{self.pid} too: nothing was trained, so nothing was saved; rerun to continue",
+                  file=sys.stderr, flush=True)
+            leave(0)
+        die(f"process {p} of {self.n} ended with exit code {code} (its own log says why); stopping process "
+             f"{self.pid} too with the same code; committed checkpoints are intact", code)
+
+    def finished(self) -> None:
+        """This process is done: peers stop watching it, and it stops watching them."""
+        if self.stop.is_set():
+            return
+        self.stop.set()
+        try:
+            self.client.key_value_set(f"jaxtrain/done/{self.pid}", "1", allow_overwrite=True)
+        except Exception:  # noqa: BLE001 - the job is ending anyway
+            pass
+
+
+_heartbeat: dict = {"current": None}
+
+
+def joined() -> bool:
+    """This process is part of a multi-process run (joined, with its :class:`Heartbeat` running)."""
+    return _heartbeat["current"] is not None
+
+
+def finished() -> None:
+    """The run ended normally on this process (see :meth:`Heartbeat.finished`)."""
+    if _heartbeat["current"] is not None:
+        _heartbeat["current"].finished()
+
+
+def leave(code: int) -> None:
+    """Ends a multi-process run's process at once with ``code`` (a normal exit would wait in
+    ``jax.distributed``'s shutdown barrier for peers that may be stuck in a collective).
+
+    It first tells the others (a key in the coordinator's store): their :class:`Heartbeat` ends them
+    with the same code. Process 0 hosts the coordination service, whose end aborts every other
+    process, so it waits (a heartbeat interval and 5 s at most) until the others have left.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    from jax._src import distributed as jd  # not jax.process_index(): from a thread it may init a backend
+    state = jd.global_state
+    client, pid = state.client, state.process_id
+    try:
+        client.key_value_set(f"jaxtrain/exit/{pid}", str(code), allow_overwrite=True)
+        if pid == 0:
+            beat = _heartbeat["current"]
+            end = time.monotonic() + 5.0 + (beat.interval if beat is not None else 5.0)
+            for p in range(1, state.num_processes):
+                wait_ms = int(1000 * (end - time.monotonic()))
+                if wait_ms <= 0:
+                    break
+                client.blocking_key_value_get(f"jaxtrain/exit/{p}", wait_ms)
+    except Exception:  # noqa: BLE001 - leaving anyway
+        pass
+    os._exit(code)
+
+
+def after_failure(err: BaseException) -> None:
+    """After an unexpected error in a multi-process run: if a peer left (:func:`leave`) or died, end
+    the way that asks for, by name (a collective then fails with a connection error; the heartbeat
+    decides within ``distributed.peer_timeout_s``). Returns for an error of this process's own."""
+    beat = _heartbeat["current"]
+    if beat is None:
+        return
+    from jax.errors import JaxRuntimeError
+    deadline = time.monotonic() + (beat.timeout + 2 * beat.interval if isinstance(err, JaxRuntimeError) else 0)
+    while True:
+        try:
+            left = {int(k.rsplit("/", 1)[-1]): int(v) for k, v in beat.client.key_value_dir_get("jaxtrain/exit/")}
+        except Exception:  # noqa: BLE001 - the coordinator is gone: the heartbeat reports it
+            left = {}
+        left.pop(beat.pid, None)
+        if left:
+            beat._peer_left(*min(left.items()))
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(beat.interval)  # a runtime error: a dead peer's silence ends this process meanwhile
+
+
+def is_primary() -> bool:
+    """Process 0: the one that writes console output, metrics and run files."""
+    import jax
+    return jax.process_index() == 0
+
+
+def primary_first(name: str, fn: Callable[[], object], others: Callable[[], object] = lambda: None):
+    """Runs ``fn`` on process 0 while the others wait, then ``others`` on them: a named error ``fn``
+    raises is raised on every process (same class, same message), so no process goes on into a
+    collective alone. Single-process: just ``fn()``."""
+    import jax
+    if jax.process_count() == 1:
+        return fn()
+    from jax._src import distributed as jd
+    client, key = jd.global_state.client, f"jaxtrain/first/{name}"
+    if is_primary():
+        try:
+            result = fn()
+        except JaxtrainError as err:
+            client.key_value_set(key, json.dumps({"error": str(err), "cls": type(err).__name__}))
+            raise
+        client.key_value_set(key, json.dumps({"ok": True}))
+        return result
+    outcome = json.loads(client.blocking_key_value_get(key, 24 * 3600 * 1000))
+    if "error" in outcome:
+        raise _same_error(outcome["cls"], outcome["error"])
+    return others()
+
+
+def _same_error(cls_name: str, message: str) -> JaxtrainError:
+    """The named error class ``cls_name`` of :mod:`jaxtrain.errors` (else InputError) with ``message``."""
+    cls = getattr(errors, cls_name, None)
+    ok = isinstance(cls, type) and issubclass(cls, JaxtrainError)
+    return (cls if ok else InputError)(message)

@@ -1,0 +1,147 @@
+"""The decoder every family builds on: token embedding, the stack of blocks, final norm, LM head.
+
+A family subclasses :class:`Decoder` and names its block (``block_type``); the embedding, the
+block stack (unrolled, or scanned with ``model.scan_layers``; rematerialised under
+``model.remat``), the final RMSNorm and the head live here and nowhere else.
+
+Parameter layout (logical names), whatever the block:
+  embed.embedding        [vocab, embed]
+  layers.i.<block's own parameters>          (``layers.<...> [layers, ...]`` when scanned)
+  final_norm.scale       [embed]
+  lm_head                [embed, vocab]  (absent when tie_embeddings)
+
+With ``scan_layers`` the blocks are one module whose parameters are stacked on a leading
+'layers' dim, run by ``jax.lax.scan``: the compiled step holds one block, so compile time stays
+flat as depth grows. The initial values equal the unstacked layout's. ``remat`` recomputes each
+block's activations in the backward pass: 'full' saves only the block input, 'save_matmuls'
+also keeps the weight-matmul outputs (JAX's ``dots_with_no_batch_dims_saveable``, MaxText's
+"minimal" policy).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxtrain.models.layers import RMSNorm, param, project
+from jaxtrain.parallel.activations import constrain
+
+REMAT_POLICIES = {"full": None, "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+# (block, x [batch, length, embed]) -> (x, aux): one block applied, aux a pytree of arrays or None.
+BlockCall = Callable[[nnx.Module, jax.Array], tuple[jax.Array, Any]]
+
+
+def checkpoint(fn: Callable, remat: str, prevent_cse: bool = True) -> Callable:
+    """``fn`` with its activations recomputed in the backward pass under the ``model.remat`` policy
+    ('none' returns ``fn`` itself). ``prevent_cse=False`` inside ``lax.scan``, where CSE cannot
+    merge the recomputation away and the guard only costs speed.
+
+    Raises:
+      ValueError: an unknown policy.
+    """
+    if remat == "none":
+        return fn
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"model.remat: unknown policy '{remat}' (known: none, {', '.join(REMAT_POLICIES)})")
+    return jax.checkpoint(fn, policy=REMAT_POLICIES[remat], prevent_cse=prevent_cse)
+
+
+def remat_block(block: nnx.Module, x: jax.Array, call: BlockCall, remat: str) -> tuple[jax.Array, Any]:
+    """``call(block, x)``, the block's activations recomputed in the backward pass under ``remat``."""
+    if remat == "none":
+        return call(block, x)
+    # jax.checkpoint takes arrays, not modules: pass the block's state and rebuild it inside.
+    graphdef, state = nnx.split(block)
+    return checkpoint(lambda h, st: call(nnx.merge(graphdef, st), h), remat)(x, state)
+
+
+def stack_blocks(blocks: list[nnx.Module]) -> nnx.Module:
+    """One block whose parameters are the blocks' stacked on a leading 'layers' dim (logical
+    axes gain a leading 'layers'). All blocks must share one structure."""
+    graphdef, _ = nnx.split(blocks[0])
+    stacked = nnx.merge(graphdef, jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *map(nnx.state, blocks)))
+    for _, node in nnx.iter_graph(stacked):
+        if isinstance(node, nnx.Param):
+            node.set_metadata(axes=("layers", *node.get_metadata()["axes"]))
+    return stacked
+
+
+def scan_blocks(stacked: nnx.Module, x: jax.Array, call: BlockCall, remat: str) -> tuple[jax.Array, Any]:
+    """x [batch, length, embed] through every layer of a stacked block with ``jax.lax.scan``
+    -> (x, aux stacked on a leading [layers] dim)."""
+    graphdef, state = nnx.split(stacked)
+
+    def body(h, layer_state):
+        return call(nnx.merge(graphdef, layer_state), h)
+
+    return jax.lax.scan(checkpoint(body, remat, prevent_cse=False), x, state)
+
+
+def run_blocks(layers: nnx.Module, x: jax.Array, call: BlockCall, remat: str,
+               scanned: bool) -> tuple[jax.Array, Any]:
+    """x [batch, length, embed] through ``layers`` (a stacked block when ``scanned``, else an
+    ``nnx.List`` of blocks) -> (x, each layer's aux stacked on a leading [layers] dim)."""
+    if scanned:
+        return scan_blocks(layers, x, call, remat)
+    per_layer = []
+    for block in layers:
+        x, aux = remat_block(block, x, call, remat)
+        per_layer.append(aux)
+    return x, jax.tree_util.tree_map(lambda *v: jnp.stack(v), *per_layer)
+
+
+class Decoder(nnx.Module):
+    """Decoder-only LM: tokens [batch, length] int32 -> logits [batch, length, vocab] float32.
+
+    A family sets ``block_type``: a module built as ``block_type(cfg, rngs)`` and called as
+    ``block(x, positions, segment_ids, **inputs)`` on x [batch, length, embed] in ``cfg.dtype``.
+    It returns x, or ``(x, aux)`` when ``block_returns_aux`` (aux: a pytree of arrays, e.g. router
+    statistics, which :meth:`decode` stacks over layers). ``cfg`` provides vocab_size (resolved,
+    >= 1), d_model, n_layers, norm_eps, init_std, dtype, param_dtype, tie_embeddings,
+    scan_layers and remat.
+    """
+
+    block_type: ClassVar[type]
+    block_returns_aux: ClassVar[bool] = False
+
+    def __init__(self, cfg: Any, rngs: nnx.Rngs):
+        if cfg.vocab_size < 1:
+            raise ValueError(f"{type(self).__name__} needs a resolved vocab_size, got {cfg.vocab_size}")
+        self.cfg = cfg
+        pd = cfg.param_dtype
+        # The order of construction fixes which random draws each parameter gets: keep it.
+        self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, param_dtype=jnp.dtype(pd), rngs=rngs,
+                               embedding_init=nnx.initializers.normal(cfg.init_std))
+        self.embed.embedding.set_metadata(axes=("vocab", "embed"))
+        blocks = [self.block_type(cfg, rngs) for _ in range(cfg.n_layers)]
+        self.layers = stack_blocks(blocks) if cfg.scan_layers else nnx.List(blocks)
+        self.final_norm = RMSNorm(cfg)
+        if not cfg.tie_embeddings:
+            self.lm_head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std, pd)
+
+    def decode(self, tokens: jax.Array, positions: Optional[jax.Array] = None,
+               segment_ids: Optional[jax.Array] = None, **inputs: Any) -> tuple[jax.Array, Any]:
+        """tokens, positions, segment_ids [batch, length] int32 -> (logits [batch, length, vocab]
+        float32, aux): positions default to 0..length-1, segment_ids restrict attention to tokens of
+        the same packed document; ``inputs`` (e.g. a [batch, length] mask) go to every block as
+        keywords. aux is the blocks' aux stacked on a leading [layers] dim (None without aux)."""
+        cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+        # Gather the FSDP shards of the table before the lookup (as FSDP does for every
+        # weight); a lookup into an fsdp-sharded embed dim forces a full rematerialisation.
+        table = constrain(self.embed.embedding[...], "vocab", None)
+        x = constrain(table[tokens].astype(dt), "batch", "residual_length", "embed")
+
+        returns_aux = self.block_returns_aux
+
+        def call(block: nnx.Module, h: jax.Array) -> tuple[jax.Array, Any]:
+            out = block(h, positions, segment_ids, **inputs)
+            return out if returns_aux else (out, None)
+
+        x, aux = run_blocks(self.layers, x, call, cfg.remat, cfg.scan_layers)
+        x = self.final_norm(x)
+        head = self.embed.embedding[...].T if cfg.tie_embeddings else self.lm_head[...]
+        logits = project(x, head.astype(dt)).astype(jnp.float32)
+        return constrain(logits, "batch", "length", "vocab"), aux

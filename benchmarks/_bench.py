@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 import os
 import platform
-import subprocess
 import resource
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 from typing import Callable, Optional
@@ -41,8 +41,8 @@ def stats(times: list[float]) -> dict:
     xs = sorted(times)
     q = statistics.quantiles(xs, n=10) if len(xs) >= 2 else [xs[0]] * 9
     med = statistics.median(xs)
-    return {"steps": len(xs), "median_s": med, "mean_s": statistics.fmean(xs), "min_s": xs[0], "max_s": xs[-1], "p10_s": q[0], "p90_s": q[-1],
-            "spread": (q[-1] - q[0]) / med if med else None}
+    return {"steps": len(xs), "median_s": med, "mean_s": statistics.fmean(xs), "min_s": xs[0], "max_s": xs[-1],
+            "p10_s": q[0], "p90_s": q[-1], "spread": (q[-1] - q[0]) / med if med else None}
 
 
 def peak_host_rss_bytes() -> int:

@@ -65,6 +65,7 @@ def _median_time(fn, args, iters):
 def speed(args) -> int:
     import jax
     import jax.numpy as jnp
+
     from jaxtrain.models.attention import attention
 
     dtype = jnp.dtype(args.dtype)
@@ -104,7 +105,8 @@ def ring_memory(args) -> int:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import AxisType, Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from jaxtrain.config import MESH_AXES
     from jaxtrain.models.attention import attention

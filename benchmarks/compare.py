@@ -110,8 +110,8 @@ def compare(label: str, config: str, overrides: list[str], impls: list[str], rou
     return out
 
 
-RESULTS_HEADER = ("| date (UTC) | hardware | commit | config | jaxtrain tok/s | torch eager tok/s | torch.compile tok/s "
-                  "| vs eager | vs compile | of peak | jax compile s | notes |")
+RESULTS_HEADER = ("| date (UTC) | hardware | commit | config | jaxtrain tok/s | torch eager tok/s "
+                  "| torch.compile tok/s | vs eager | vs compile | of peak | jax compile s | notes |")
 
 
 def results_row(res: dict, quick: bool) -> str:

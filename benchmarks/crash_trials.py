@@ -119,8 +119,8 @@ def run_trials(trials: int, workdir: Path, data: str, steps: int = 40, seed: int
     ref_dir = workdir / "reference"
     t0 = time.monotonic()
     try:
-        ref = subprocess.run(command(ref_dir, data, steps, slow_checksum), env=env, cwd=REPO, capture_output=True, text=True,
-                             timeout=timeout)
+        ref = subprocess.run(command(ref_dir, data, steps, slow_checksum), env=env, cwd=REPO, capture_output=True,
+                             text=True, timeout=timeout)
     except subprocess.TimeoutExpired as err:  # run() has killed it
         out = f"{err.stdout or ''}{err.stderr or ''}"[-3000:]
         raise RuntimeError(f"reference run still running after {timeout} s:\n{out}") from None
@@ -205,7 +205,8 @@ def run_trials(trials: int, workdir: Path, data: str, steps: int = 40, seed: int
             failures.append(f"trial {trial}: {status}")
         log(f"trial {trial:>2}: {'SIGKILL ' + when if killed else 'ran to completion'}; "
             f"resumed from {want}; committed now {committed(run_dir)}; "
-            f"uncommitted left {leftovers or '-'}{' (killed while checksumming)' if killed and in_checksum(out) else ''}"
+            f"uncommitted left {leftovers or '-'}"
+            f"{' (killed while checksumming)' if killed and in_checksum(out) else ''}"
             f" | {status}")
     rows_checked += check_rows()
     if committed(run_dir)[-1:] != [steps]:

@@ -89,7 +89,8 @@ class Job:
         port = portpicker.pick_unused_port()
         cmd = [*crash_trials.command(run_dir, data, args.steps), "mesh.data=-1",
             f"checkpoint.dir=s3://{BUCKET}/{prefix}", f"checkpoint.s3_endpoint={endpoint}",
-            "distributed.peer_timeout_s=10", f"distributed.init_timeout_s={INIT_TIMEOUT_S}", "checkpoint.grace_period_s=20"]
+            "distributed.peer_timeout_s=10", f"distributed.init_timeout_s={INIT_TIMEOUT_S}",
+            "checkpoint.grace_period_s=20"]
         self.procs, self.lines = [], []
         for i in range(args.processes):
             env = crash_trials.environment()

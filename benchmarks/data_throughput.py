@@ -22,7 +22,8 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxtrain import config as cfglib
 from jaxtrain import data as datalib
@@ -138,8 +139,9 @@ def main(argv=None) -> int:
     for seq_len in (256, 1024, 4096):
         row = []
         for mode in ("packed", "padded"):
-            sched = datalib.load(cfglib.load(None, common + [f"data.path={tmp / 'cache-0'}", f"data.mode={mode}",
-                                                             f"data.seq_len={seq_len}", "train.global_batch=1"])).schedule
+            cfg = cfglib.load(None, common + [f"data.path={tmp / 'cache-0'}", f"data.mode={mode}",
+                                              f"data.seq_len={seq_len}", "train.global_batch=1"])
+            sched = datalib.load(cfg).schedule
             row.append(f"{mode} {sched.layout(0).efficiency():6.1%}")
         print(f"  seq_len {seq_len:>5}: " + " | ".join(row))
     return 0

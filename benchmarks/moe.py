@@ -37,7 +37,8 @@ CASES = [  # (name, devices, config, overrides)
     ("moe capacity 1.25 ep expert=8", 8, "moe_shakespeare", ["sharding.rules=ep", "mesh.expert=8",
                                                              "model.routing=capacity"]),
 ]
-HEADER = "| date (UTC) | hardware | commit | case | devices | step ms (median) | tokens/s | MFU | vs dense, same devices |"
+HEADER = ("| date (UTC) | hardware | commit | case | devices | step ms (median) | tokens/s | MFU "
+          "| vs dense, same devices |")
 INTRO = ("## MoE vs dense (benchmarks/moe.py)\n\nconfigs/moe_shakespeare.yaml (8 experts x d_ff 192, "
          "top-2) against configs/shakespeare_char.yaml (d_ff 384): the same active parameters; global batch 16.")
 

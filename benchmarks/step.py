@@ -22,9 +22,19 @@ import datetime
 import sys
 import time
 
-from _bench import HERE_RESULTS, commit, fmt, hardware, peak_host_rss_bytes, print_table, serve, stats, with_corpus, write_json
-
 import jax  # noqa: E402
+from _bench import (
+    HERE_RESULTS,
+    commit,
+    fmt,
+    hardware,
+    peak_host_rss_bytes,
+    print_table,
+    serve,
+    stats,
+    with_corpus,
+    write_json,
+)
 
 from jaxtrain import config as cfglib  # noqa: E402
 from jaxtrain.metrics import flops  # noqa: E402
@@ -149,7 +159,8 @@ def main(argv=None) -> int:
             "remat": getattr(cfg.model, "remat", "none"), "jax": jax.__version__}
     if args.compile_only:
         print_table("jaxtrain compile", [("config", f"{args.config} {' '.join(args.overrides)}"),
-                                         ("layers", str(cfg.model.n_layers)), ("compile", fmt(b.compile_s, " s", digits=2))])
+                                         ("layers", str(cfg.model.n_layers)),
+                                         ("compile", fmt(b.compile_s, " s", digits=2))])
         write_json(args.json, info)
         return 0
     if args.serve:

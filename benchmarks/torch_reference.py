@@ -19,11 +19,10 @@ import math
 import sys
 import time
 
-from _bench import fmt, peak_host_rss_bytes, print_table, serve, stats, with_corpus, write_json
-
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from _bench import fmt, peak_host_rss_bytes, print_table, serve, stats, with_corpus, write_json
 from torch import nn  # noqa: E402
 
 from jaxtrain import config as cfglib  # noqa: E402
@@ -192,6 +191,7 @@ def matmul_peak(n: int = 2048, repeats: int = 5) -> float:
 def jax_reference(cfg, vocab: int) -> tuple[int, float]:
     """jaxtrain's parameter count and FLOPs per token, from its run setup on one device (no compile)."""
     import jax
+
     from jaxtrain.train import setup
     from jaxtrain.train.step import count_params
     one = cfg.model_copy(update={"mesh": cfg.mesh.model_copy(update={"data": 1, "fsdp": 1, "tensor": 1,

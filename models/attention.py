@@ -27,9 +27,9 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from jaxtrain.errors import AttentionBackendError
 from jaxtrain.kernels import blockwise, flash_gpu, flash_tpu, reference, ring, target
 from jaxtrain.parallel.activations import devices_along
-from jaxtrain.errors import AttentionBackendError
 
 IMPLEMENTATIONS = ("auto", "xla", "blockwise", "cudnn", "pallas", "ring")
 log = logging.getLogger("jaxtrain.attention")

@@ -1,10 +1,18 @@
-"""Shared test set-up: 8 simulated CPU devices, the persistent compile cache, small configs, a GCS emulator."""
+"""Shared test set-up: 8 simulated CPU devices, the persistent compile cache, small configs, a GCS emulator.
+
+The tests come in two tiers: ``tests/unit`` (no subprocess, no server, no second process) and
+``tests/integration`` (real servers, SLURM, multi-process jobs, notebooks, parity with transformers);
+their shared helpers are in ``tests/helpers`` (on the import path). A test that uses a server fixture
+is marked ``servers``; the slowest are marked ``slow`` where they are defined.
+"""
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 # Must happen before jax is imported anywhere.
@@ -16,6 +24,8 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
+SERVER_FIXTURES = {"s3_server", "gcs", "gcs_server", "mlflow_server", "registry", "slurm_cluster"}
 jax.config.update("jax_compilation_cache_dir",
                   os.environ.get("JAX_COMPILATION_CACHE_DIR", str(REPO / ".jax_cache")))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
@@ -117,6 +127,52 @@ def gcs(gcs_server, monkeypatch):
 
 def put_windows(windows, sharding):
     """[accum, micro, T + 1] token windows -> the batch dict of a windows-mode run, on ``sharding``."""
-    from jaxtrain.data import packing
     import numpy as np
+
+    from jaxtrain.data import packing
     return jax.device_put(packing.from_windows(np.asarray(windows)), sharding)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks every test that starts or uses a real server (S3, GCS, MLflow, SLURM) ``servers``."""
+    for item in items:
+        if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.servers)
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """`mlflow server` with a SQLite backend and a local artifact store, on 127.0.0.1; yields its URL."""
+    root = tmp_path_factory.mktemp("mlflow")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    exe = Path(sys.executable).parent / "mlflow"
+    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
+    log = open(root / "server.log", "w")
+    proc = subprocess.Popen([str(exe), "server", "--backend-store-uri", f"sqlite:///{root / 'db.sqlite'}",
+                             "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1",
+                             "--port", str(port), "--workers", "1"], stdout=log, stderr=subprocess.STDOUT,
+                            env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(240):
+        try:
+            if urllib.request.urlopen(f"{url}/health", timeout=1).read() == b"OK":
+                break
+        except OSError:
+            time.sleep(0.5)
+    else:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("mlflow server did not start: " + (root / "server.log").read_text()[-2000:])
+    yield url
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def windows(corpus_path):
+    """5 batches [1, 8, 33] of Shakespeare bytes (deterministic): the sharding matrix's steps."""
+    import numpy as np
+    data = np.frombuffer(Path(corpus_path).read_bytes()[:200_000], np.uint8).astype(np.int32)
+    starts = np.random.default_rng(0).integers(0, len(data) - 33, size=(5, 8))
+    return np.stack([np.stack([data[s:s + 33] for s in row]) for row in starts])[:, None]

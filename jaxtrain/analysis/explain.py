@@ -11,22 +11,21 @@ and compiles on simulated CPU devices from abstract inputs only.
 """
 from __future__ import annotations
 
+import argparse
+import math
 import re
-from typing import Optional
+import sys
+from typing import Optional, Sequence
 
 import jax
 
 from jaxtrain.analysis import collectives
-from jaxtrain.metrics import memory
+from jaxtrain.cli.common import add_config_args, cli, config_args, enable_compilation_cache, prog, use_cpu_devices
 from jaxtrain.config import Config
+from jaxtrain.metrics import memory
 from jaxtrain.parallel.mesh import describe
 from jaxtrain.parallel.rules import path_str
 from jaxtrain.train.assembly import setup
-import argparse
-import math
-import sys
-from typing import Optional, Sequence
-from jaxtrain.cli.common import add_config_args, cli, config_args, enable_compilation_cache, prog, use_cpu_devices
 
 
 def _spec(spec, ndim: int) -> str:

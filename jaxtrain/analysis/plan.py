@@ -19,7 +19,9 @@ JAX starts its backend (importing jax does not start it; the first device query 
 """
 from __future__ import annotations
 
+import argparse
 import re
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -27,16 +29,14 @@ from typing import Optional, Sequence
 import jax
 
 from jaxtrain.analysis import collectives
-from jaxtrain.metrics import memory
-from jaxtrain.config import MESH_AXES, Config
-from jaxtrain.errors import ConfigError
-from jaxtrain.parallel.rules import Rules, rule_sets as shipped_rule_sets
-from jaxtrain.errors import ShardingError
-from jaxtrain.train.lm import family_of
-from jaxtrain.train.assembly import setup, vocab_for
-import argparse
-import sys
 from jaxtrain.cli.common import add_config_args, cli, config_args, enable_compilation_cache, prog, use_cpu_devices
+from jaxtrain.config import MESH_AXES, Config
+from jaxtrain.errors import ConfigError, ShardingError
+from jaxtrain.metrics import memory
+from jaxtrain.parallel.rules import Rules
+from jaxtrain.parallel.rules import rule_sets as shipped_rule_sets
+from jaxtrain.train.assembly import setup, vocab_for
+from jaxtrain.train.lm import family_of
 
 
 @dataclass

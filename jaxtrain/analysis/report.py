@@ -7,19 +7,18 @@ and MFU. Drawn with matplotlib's Agg backend (no display needed).
 """
 from __future__ import annotations
 
+import argparse
+import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 import yaml
 
+from jaxtrain.cli.common import cli, prog
 from jaxtrain.errors import ConfigError
 from jaxtrain.metrics.sinks import read_metrics
 
 PANELS = ("loss vs step", "loss vs {unit}", "learning rate", "gradient norm", "throughput ({unit}/s)", "MFU (%)")
-import argparse
-import sys
-from typing import Optional, Sequence
-from jaxtrain.cli.common import cli, prog
 
 
 def _labels(run_dirs: Sequence[Path]) -> list[str]:

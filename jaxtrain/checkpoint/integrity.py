@@ -14,8 +14,8 @@ from typing import Any, Optional
 import google_crc32c
 import jax
 
-from jaxtrain.parallel.rules import path_str
 from jaxtrain.errors import CorruptCheckpointError
+from jaxtrain.parallel.rules import path_str
 
 CHUNK = 4 << 20
 

@@ -8,6 +8,7 @@ from typing import Any, Optional
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+
 from jaxtrain.errors import PeerSaveError
 
 

@@ -2,7 +2,23 @@
 loading from YAML + dotted overrides (``loading``)."""
 from jaxtrain.config.checks import check_against_mesh, check_consistency, positive
 from jaxtrain.config.loading import from_dict, load, parse_override, resolve_resource
-from jaxtrain.config.schema import DEFAULT_FAMILY, MESH_AXES, CheckpointConfig, Config, CustomModelConfig, DataConfig, MeshConfig, MetricsConfig, ModelConfig, OptimizerConfig, ProfileConfig, RunConfig, ShardingConfig, TrainConfig, family_config
+from jaxtrain.config.schema import (
+    DEFAULT_FAMILY,
+    MESH_AXES,
+    CheckpointConfig,
+    Config,
+    CustomModelConfig,
+    DataConfig,
+    MeshConfig,
+    MetricsConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ProfileConfig,
+    RunConfig,
+    ShardingConfig,
+    TrainConfig,
+    family_config,
+)
 from jaxtrain.errors import ConfigError
 
 __all__ = [

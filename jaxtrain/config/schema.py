@@ -17,11 +17,11 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import Field, SerializeAsAny, field_validator, model_validator
 
-from jaxtrain.config.base import (DEFAULT_FAMILY, MESH_AXES, SINKS, CustomModelConfig, ModelConfig,  # noqa: F401
-                                  Section)
+from jaxtrain.config.base import DEFAULT_FAMILY, MESH_AXES, SINKS, CustomModelConfig, ModelConfig, Section  # noqa: F401
 from jaxtrain.config.checks import check_consistency
 from jaxtrain.config.paths import normalize
 from jaxtrain.errors import ConfigError
+
 
 def _path_key(key: str):
     """A 'before' validator of the path key ``section.field``: ``file://`` made local, unsupported

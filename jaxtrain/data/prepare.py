@@ -14,15 +14,18 @@ different tokenizer is refused. A progress bar shows documents and tokens/s.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional, Sequence
 
 import numpy as np
 
+from jaxtrain.cli.common import cli, prog
 from jaxtrain.config import Config
 from jaxtrain.data import sources, store
 from jaxtrain.data.corpus import read_texts
@@ -120,6 +123,30 @@ class _Progress:
             self.bar.stop()
 
 
-if __name__ == "__main__":  # python -m jaxtrain.data.prepare: the command line is jaxtrain.cli.prepare
-    from jaxtrain.cli.prepare import main
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog("jaxtrain.data.prepare"),
+                                     description="Tokenize data.path once into an ArrayRecord token cache.")
+    parser.add_argument("--config", help="YAML config file or a name in configs/ (its data section is used)")
+    parser.add_argument("--out", required=True, help="output directory (local, gs:// or s3://)")
+    parser.add_argument("--docs-per-shard", type=int, default=100_000)
+    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. data.path=corpus/*.jsonl")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+
+    def body() -> None:
+        from jaxtrain.config import load
+        from jaxtrain.config.paths import REMOTE, normalize
+        out = normalize("--out", args.out, REMOTE)
+        # The mode does not matter to a cache; packed lets BOS/EOS options validate.
+        cfg = load(args.config, ["data.mode=packed", *args.overrides])
+        meta = prepare(cfg, out, args.docs_per_shard, not args.no_progress)
+        rate = meta["tokens"] / max(meta["seconds"], 1e-9)
+        skipped = meta["stats"]["skipped_empty"] + meta["stats"]["skipped_short"]
+        print(f"wrote {args.out}: {meta['documents']} documents, {meta['tokens']} tokens in "
+              f"{len(meta['shards'])} shard(s), {rate:,.0f} tokens/s; skipped {skipped}, invalid UTF-8 replaced "
+              f"in {meta['stats']['invalid_utf8']}")
+    return cli(body)
+
+
+if __name__ == "__main__":
     sys.exit(main())

@@ -114,7 +114,7 @@ class CacheStore:
 
 
 def is_cache(path: str) -> bool:
-    from jaxtrain.data.sources import is_remote, _epath
+    from jaxtrain.data.sources import _epath, is_remote
     if is_remote(path):
         return _epath(path.rstrip("/") + "/" + CACHE_META).exists()
     return (Path(path).expanduser() / CACHE_META).is_file()
@@ -122,7 +122,7 @@ def is_cache(path: str) -> bool:
 
 def read_meta(path: str) -> dict:
     """The cache index of a local cache directory. Raises DataError if unreadable or not a cache."""
-    from jaxtrain.data.sources import is_remote, _epath
+    from jaxtrain.data.sources import _epath, is_remote
     try:
         index = _epath(path.rstrip("/") + "/" + CACHE_META) if is_remote(path) else Path(path).expanduser() / CACHE_META
         meta = json.loads(index.read_text())

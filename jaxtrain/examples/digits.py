@@ -24,8 +24,8 @@ import optax
 from flax import nnx
 
 from jaxtrain.config import Config
-from jaxtrain.errors import ConfigError
 from jaxtrain.data import ArrayData
+from jaxtrain.errors import ConfigError
 from jaxtrain.parallel.activations import constrain
 from jaxtrain.train.model_spec import ModelSpec
 

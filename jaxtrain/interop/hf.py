@@ -28,19 +28,27 @@ import yaml
 from pydantic import BaseModel
 
 from jaxtrain.checkpoint.checkpointer import Checkpointer
-from jaxtrain.errors import CheckpointError, CorruptCheckpointError
 from jaxtrain.config import Config, from_dict, load
-from jaxtrain.errors import ConfigError
 from jaxtrain.config.loading import UniqueKeyLoader, resolve_resource
 from jaxtrain.data import tokenizers
+from jaxtrain.errors import CheckpointError, ConfigError, CorruptCheckpointError
+from jaxtrain.interop.hf_files import (
+    CONFIG_FILE,
+    DEFAULT_MAX_SHARD_SIZE,
+    INDEX_FILE,
+    WEIGHTS_FILE,
+    load_tensors,
+    parse_size,
+    read_hf_config,
+    weight_files,
+    write_weights,
+)
 from jaxtrain.models import registry
 from jaxtrain.models.family import Family, HFConverter
 from jaxtrain.parallel import host_data
 from jaxtrain.train import lm, rundir
-from jaxtrain.interop.hf_files import (CONFIG_FILE, DEFAULT_MAX_SHARD_SIZE, INDEX_FILE, WEIGHTS_FILE, load_tensors,
-                                     parse_size, read_hf_config, weight_files, write_weights)
-from jaxtrain.train.optimizer import hyperparameters, optimizer
 from jaxtrain.train.assembly import setup
+from jaxtrain.train.optimizer import hyperparameters, optimizer
 
 __all__ = ["CONFIG_FILE", "DEFAULT_MAX_SHARD_SIZE", "INDEX_FILE", "WEIGHTS_FILE", "converter", "export",
            "family_for", "import_config", "import_hf", "model_keys"]
@@ -120,7 +128,8 @@ def _differences(cfg: Config, keys: dict) -> list[tuple[str, Any, Any]]:
     return [(k, _walk(cfg.model, [k]), v) for k, v in keys.items() if _walk(cfg.model, [k]) != v]
 
 
-def import_config(hf_dir: Path, config: Optional[str] = None, overrides: Sequence[str] = ()) -> tuple[Config, list[str]]:
+def import_config(hf_dir: Path, config: Optional[str] = None,
+                  overrides: Sequence[str] = ()) -> tuple[Config, list[str]]:
     """The run config of an import, and notes for the user.
 
     The ``model.*`` keys that ``hf_dir/config.json`` fixes (the family's converter says which: sizes,

@@ -23,15 +23,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 from jaxtrain.checkpoint.checkpointer import Checkpointer
-from jaxtrain.errors import CheckpointError
 from jaxtrain.config import load
-from jaxtrain.errors import ConfigError
-from jaxtrain.metrics.external import quiet_mlflow
-from jaxtrain.metrics.external import tracking_uri
-from jaxtrain.metrics.sinks import read_metrics
+from jaxtrain.errors import CheckpointError, ConfigError, RegistryError
 from jaxtrain.interop import hf
-from jaxtrain.errors import RegistryError
-
+from jaxtrain.metrics.external import quiet_mlflow, tracking_uri
+from jaxtrain.metrics.sinks import read_metrics
 
 READY_TIMEOUT_S = 300.0  # default wait for a new version to leave PENDING_REGISTRATION
 

@@ -20,9 +20,22 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jaxtrain.kernels import target
-from jaxtrain.kernels.flash_common import (F32, FlashParams, block_mask, dot, dot_t, finalize, kv_block_range,
-                                           make_flash, online_softmax_update, q_block_range, row_delta, run_flash,
-                                           safe_lse, t_dot)
+from jaxtrain.kernels.flash_common import (
+    F32,
+    FlashParams,
+    block_mask,
+    dot,
+    dot_t,
+    finalize,
+    kv_block_range,
+    make_flash,
+    online_softmax_update,
+    q_block_range,
+    row_delta,
+    run_flash,
+    safe_lse,
+    t_dot,
+)
 
 # Positions come from 1-D aranges (broadcast), the simplest form for the Triton lowering.
 

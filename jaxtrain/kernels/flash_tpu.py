@@ -20,9 +20,23 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jaxtrain.kernels import target
-from jaxtrain.kernels.flash_common import (F32, NEG_INF, FlashParams, block_mask, dot, dot_t, finalize,
-                                           kv_block_range, make_flash, online_softmax_update, q_block_range,
-                                           row_delta, run_flash, safe_lse, t_dot)
+from jaxtrain.kernels.flash_common import (
+    F32,
+    NEG_INF,
+    FlashParams,
+    block_mask,
+    dot,
+    dot_t,
+    finalize,
+    kv_block_range,
+    make_flash,
+    online_softmax_update,
+    q_block_range,
+    row_delta,
+    run_flash,
+    safe_lse,
+    t_dot,
+)
 
 
 def _positions(i, j, p: FlashParams):

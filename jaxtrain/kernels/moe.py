@@ -43,9 +43,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxtrain.errors import ShardingError
 from jaxtrain.kernels import target
 from jaxtrain.parallel.activations import active_sharding
-from jaxtrain.errors import ShardingError
 
 
 def _grouped_swiglu(rows: jax.Array, expert: jax.Array, w_gate, w_up, w_down) -> jax.Array:

@@ -28,9 +28,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jaxtrain.errors import RingAttentionError
 from jaxtrain.kernels import reference
 from jaxtrain.parallel.activations import active_sharding
-from jaxtrain.errors import RingAttentionError
 
 F32 = jnp.float32
 

@@ -5,7 +5,7 @@ key=value ...`` and tells jaxtrain how to start ``jax.distributed``: a GKE JobSe
 Vertex AI CustomJob (``vertex``) or an sbatch script whose tasks start under ``srun``
 (``slurm``). ``--dry-run`` prints the spec instead of submitting it.
 """
-from jaxtrain.launch.common import Job, main
 from jaxtrain.errors import LaunchError, SubmitError
+from jaxtrain.launch.common import Job, main
 
 __all__ = ["Job", "LaunchError", "SubmitError", "main"]

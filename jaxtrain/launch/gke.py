@@ -19,8 +19,15 @@ import re
 
 import yaml
 
-from jaxtrain.launch.common import Job, accelerator_count, add_container_args, connection_reason, nonnegative_int, require
 from jaxtrain.errors import LaunchError, SubmitError
+from jaxtrain.launch.common import (
+    Job,
+    accelerator_count,
+    add_container_args,
+    connection_reason,
+    nonnegative_int,
+    require,
+)
 from jaxtrain.runtime.job import COORDINATOR_VAR, NUM_PROCESSES_VAR, PROCESS_ID_VAR
 
 GROUP, VERSION, PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"

@@ -16,8 +16,8 @@ import shlex
 import shutil
 import subprocess
 
-from jaxtrain.launch.common import Job, nonnegative_int, positive_int
 from jaxtrain.errors import LaunchError, SubmitError
+from jaxtrain.launch.common import Job, nonnegative_int, positive_int
 
 _TIME = re.compile(r"^(\d+|\d+:\d{2}|\d+:\d{2}:\d{2}|\d+-\d+|\d+-\d+:\d{2}|\d+-\d+:\d{2}:\d{2})$")
 _SAFE = re.compile(r"^[^\s#'\"\\]+$")  # a value that needs no quoting on an #SBATCH line

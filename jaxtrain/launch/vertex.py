@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import re
 
-from jaxtrain.launch.common import Job, accelerator_count, add_container_args, connection_reason, require
 from jaxtrain.errors import LaunchError, SubmitError
+from jaxtrain.launch.common import Job, accelerator_count, add_container_args, connection_reason, require
 
 _REGION = re.compile(r"^[a-z]+(-[a-z0-9]+)+$")
 

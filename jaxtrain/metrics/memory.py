@@ -29,6 +29,7 @@ from typing import Any, Optional
 
 import jax
 
+
 def shard_bytes(leaf: Any, sharding: Optional[jax.sharding.Sharding] = None) -> int:
     """Bytes of the largest shard of one array (or ShapeDtypeStruct) on any device."""
     sharding = sharding if sharding is not None else getattr(leaf, "sharding", None)

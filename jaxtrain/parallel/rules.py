@@ -35,12 +35,12 @@ from typing import Any, Optional, Sequence
 
 import jax
 import yaml
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxtrain.config import MESH_AXES, ShardingConfig, resolve_resource
-from jaxtrain.errors import ConfigError
 from jaxtrain.config.loading import UniqueKeyLoader, resource_roots
-from jaxtrain.errors import ShardingError
+from jaxtrain.errors import ConfigError, ShardingError
 
 Candidate = Optional[tuple[str, ...]]  # None = replicate explicitly
 

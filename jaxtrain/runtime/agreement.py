@@ -18,7 +18,8 @@ class StopAgreement:
     def __init__(self, devices):
         import jax
         import jax.numpy as jnp
-        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        from jax.sharding import Mesh, NamedSharding
+        from jax.sharding import PartitionSpec as P
         mesh = Mesh(np.asarray(devices).reshape(-1), ("processes",))
         self.sharding = NamedSharding(mesh, P("processes"))
         self.n_local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)

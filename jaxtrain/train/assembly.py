@@ -25,8 +25,8 @@ from jax.sharding import Mesh
 from jaxtrain import data as datalib
 from jaxtrain.checkpoint.checkpointer import abstract_like
 from jaxtrain.config import Config, check_against_mesh
-from jaxtrain.errors import ConfigError
 from jaxtrain.data import tokenizers
+from jaxtrain.errors import ConfigError
 from jaxtrain.metrics import sinks
 from jaxtrain.models.family import Family
 from jaxtrain.parallel.mesh import build_mesh, resolve_sizes

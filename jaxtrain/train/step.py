@@ -22,15 +22,15 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxtrain.config import Config
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, ShardingError
 from jaxtrain.parallel.activations import activation_sharding
 from jaxtrain.parallel.rules import Rules, path_str, tree_shardings
-from jaxtrain.errors import ShardingError
-from jaxtrain.train.optimizer import applied_count, hyperparameters, learning_rate, optimizer
 from jaxtrain.train.model_spec import ModelSpec
+from jaxtrain.train.optimizer import applied_count, hyperparameters, learning_rate, optimizer
 
 
 @dataclass

@@ -13,20 +13,21 @@ import jax
 from jax.sharding import NamedSharding
 
 from jaxtrain.checkpoint.checkpointer import Checkpointer
-from jaxtrain.errors import CheckpointError, CorruptCheckpointError
 from jaxtrain.config import Config
 from jaxtrain.data import tokenizers
+from jaxtrain.errors import CheckpointError, CorruptCheckpointError
 from jaxtrain.metrics import flops
 from jaxtrain.metrics.console import Reporter, format_flops
 from jaxtrain.metrics.profile import StepProfiler
 from jaxtrain.metrics.sinks import Sinks
 from jaxtrain.parallel import host_data
 from jaxtrain.parallel.mesh import describe
-from jaxtrain.runtime.watchdog import Watchdog
 from jaxtrain.runtime import heartbeat, host_memory, signals
-from jaxtrain.train import hooks as H, rundir
-from jaxtrain.train.loop import Hook, RunResult, TrainLoop
+from jaxtrain.runtime.watchdog import Watchdog
+from jaxtrain.train import hooks as H
+from jaxtrain.train import rundir
 from jaxtrain.train.assembly import Setup, setup
+from jaxtrain.train.loop import Hook, RunResult, TrainLoop
 from jaxtrain.train.model_spec import ModelSpec
 from jaxtrain.train.step import count_params
 

@@ -6,8 +6,8 @@ from typing import ClassVar, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict
 
-from jaxtrain.config.checks import positive
 from jaxtrain.config.base import ModelConfig
+from jaxtrain.config.checks import positive
 from jaxtrain.errors import ConfigError
 
 

@@ -1,0 +1,103 @@
+"""Helpers of the launcher tests: running ``python -m jaxtrain.launch`` (in this process or as a
+subprocess) and a local HTTP server standing in for the Kubernetes / Vertex AI API."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Callable, Optional
+from urllib.parse import parse_qs, urlsplit
+
+import portpicker
+
+REPO = Path(__file__).resolve().parents[2]
+SHARED = Path(os.environ.get("JAXTRAIN_SHARED", REPO.parent / "shared"))
+# By name: found in configs/ from any working directory (and in an installed jaxtrain's package data).
+# It loads without its data: the config checks never open data.path.
+CONFIG = "shakespeare_char"
+
+
+def launch(capsys, *argv: str) -> tuple[int, str, str]:
+    """Runs the launcher in this process; returns (exit code, stdout, stderr)."""
+    from jaxtrain.launch import main
+    capsys.readouterr()
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def launch_cli(*argv: str, prelude: str = "", env: Optional[dict] = None,
+               timeout: float = 120) -> subprocess.CompletedProcess:
+    """Runs ``python -m jaxtrain.launch ARGV`` as a subprocess from the repo root.
+
+    ``prelude`` is Python run first in that process (e.g. to make a client library unimportable).
+    """
+    if prelude:
+        code = f"{prelude}\nimport sys\nfrom jaxtrain.launch import main\nsys.exit(main())"
+        cmd = [sys.executable, "-c", code, *argv]
+    else:
+        cmd = [sys.executable, "-m", "jaxtrain.launch", *argv]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})})
+
+
+@dataclass
+class Request:
+    """One request the stub received."""
+
+    method: str
+    path: str
+    query: dict[str, list[str]]
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self):
+        return json.loads(self.body)
+
+
+class StubServer:
+    """An HTTP server on 127.0.0.1 (a free port) recording every request and answering each with
+    ``respond(request) -> (status, JSON body)``; the default echoes the request body with 201."""
+
+    def __init__(self, respond: Optional[Callable[[Request], tuple[int, object]]] = None):
+        self.requests: list[Request] = []
+        self.respond = respond or (lambda req: (201, req.json()))
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _handle(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                parts = urlsplit(self.path)
+                req = Request(self.command, parts.path, parse_qs(parts.query), dict(self.headers),
+                              self.rfile.read(length))
+                stub.requests.append(req)
+                status, body = stub.respond(req)
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _handle
+
+            def log_message(self, *args):  # keep the test output clean
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", portpicker.pick_unused_port()), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> "StubServer":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self._thread.join(timeout=5)

@@ -1,0 +1,34 @@
+"""The benchmark scripts run (``--quick``) and print their figures; speed itself is never asserted here."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_quick(script: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a user runs them
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), "--quick"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_loop_overhead_compares_the_trainers_logged_step_with_the_bare_step():
+    out = run_quick("loop_overhead.py")
+    ratio = re.search(r"the trainer's step is ([0-9.]+)x the bare step", out)
+    trainer, bare = map(float, re.search(r"trainer ([0-9.]+) ms/step, bare step ([0-9.]+) ms", out).groups())
+    # (the times are printed to 0.1 ms, the ratio from the unrounded ones)
+    assert ratio and float(ratio.group(1)) == pytest.approx(trainer / bare, rel=0.01) and trainer > 0 and bare > 0
+
+
+def test_vs_nanogpt_runs_the_real_nanogpt_and_jaxtrain():
+    pytest.importorskip("torch")
+    out = run_quick("vs_nanogpt.py")
+    nano, jax_ = map(float, re.search(r"20 iterations: nanoGPT ([0-9.]+) s, jaxtrain ([0-9.]+) s", out).groups())
+    ratio = float(re.search(r"jaxtrain is ([0-9.]+)x nanoGPT's speed", out).group(1))
+    assert ratio == pytest.approx(nano / jax_, rel=0.03) and nano > 0 and jax_ > 0  # times printed to 0.1 s

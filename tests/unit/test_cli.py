@@ -1,0 +1,81 @@
+"""The command lines share one error wrapper and are console scripts; metric sinks are chosen in config."""
+from importlib import metadata
+
+import jax
+import pytest
+from conftest import SMALL
+
+from jaxtrain import config as cfglib
+from jaxtrain.analysis import explain as explain_cli
+from jaxtrain.analysis import plan as plan_cli
+from jaxtrain.analysis.explain import explain
+from jaxtrain.cli import export as export_cli
+from jaxtrain.cli import train as train_cli
+from jaxtrain.data import prepare as prepare_cli
+from jaxtrain.errors import ConfigError
+from jaxtrain.examples import digits
+from jaxtrain.train import fit
+
+UNKNOWN = "error: unknown config key 'train.stpes'; did you mean 'train.steps'?\n"
+
+
+@pytest.mark.parametrize("main,argv", [
+    (train_cli.main, ["train.stpes=1"]),
+    (plan_cli.main, ["--devices", "2", "train.stpes=1"]),
+    (explain_cli.main, ["train.stpes=1"]),
+    (export_cli.main, ["--import", "somewhere", "train.stpes=1"]),
+    (prepare_cli.main, ["--out", "somewhere", "train.stpes=1"]),
+    (digits.main, ["train.stpes=1"]),
+])
+def test_every_command_names_a_bad_key_and_exits_2(main, argv, capsys):
+    assert main(argv) == 2
+    assert capsys.readouterr().err == UNKNOWN
+
+
+def test_explain_takes_one_rule_set_and_reads_the_memory_budget(capsys):
+    assert explain_cli.main(["--rules", "dp,fsdp"]) == 2
+    assert capsys.readouterr().err == ("error: --rules: explain shows one rule set, got 'dp,fsdp' (compare several "
+                                       "with python -m jaxtrain.plan --rules dp,fsdp)\n")
+    cfg = cfglib.load(None, [*SMALL, "mesh.data=2", "sharding.rules=dp"])
+    text = explain(cfg, jax.devices()[:2], vocab=256, budget=1024)
+    over = [line for line in text.splitlines() if line.startswith("peak ")]
+    assert len(over) == 1 and over[0].endswith(": OVER --device-memory 1.0 KiB"), over
+
+
+def test_console_scripts_are_registered():
+    scripts = {e.name: e.value for e in metadata.entry_points(group="console_scripts") if e.name.startswith("jaxtrain")}
+    assert scripts == {"jaxtrain-train": "jaxtrain.cli.train:main", "jaxtrain-export": "jaxtrain.cli.export:main",
+                       "jaxtrain-plan": "jaxtrain.analysis.plan:main",
+                       "jaxtrain-explain": "jaxtrain.analysis.explain:main",
+                       "jaxtrain-prepare": "jaxtrain.data.prepare:main",
+                       "jaxtrain-report": "jaxtrain.analysis.report:main",
+                       "jaxtrain-digits": "jaxtrain.examples.digits:main", "jaxtrain-launch": "jaxtrain.launch:main"}
+
+
+def test_metrics_sinks_choose_where_rows_go(small_cfg, capsys):
+    one = jax.devices()[:1]
+    quiet_console = fit(small_cfg("train.steps=2", "mesh.data=1", "checkpoint.enabled=false",
+                                  "metrics.sinks=[jsonl]", run_dir="jsonl"), devices=one, quiet=True)
+    out = capsys.readouterr().out
+    assert "step      1 | loss" not in out and "validation loss " in out
+    assert (quiet_console.run_dir / "metrics.jsonl").read_text().count('"loss"') == 2
+    console_only = fit(small_cfg("train.steps=2", "mesh.data=1", "checkpoint.enabled=false",
+                                 "metrics.sinks=[console]", run_dir="console"), devices=one, quiet=True)
+    assert "step      2 | loss " in capsys.readouterr().out
+    assert not (console_only.run_dir / "metrics.jsonl").exists()
+    with pytest.raises(ConfigError) as e:
+        small_cfg("metrics.sinks=[console, neptune]")
+    assert str(e.value) == "metrics.sinks: unknown sink 'neptune' (known: console, jsonl, tensorboard, mlflow, wandb)"
+
+
+def test_sink_names_in_the_schema_are_the_sinks_there_are():
+    from jaxtrain.config.schema import SINKS as NAMES
+    from jaxtrain.metrics.sinks import SINKS
+    assert tuple(SINKS) == NAMES
+
+
+def test_plan_names_a_config_it_cannot_build_once(capsys):
+    assert plan_cli.main(["--config", "digits_mlp", "--devices", "2"]) == 2
+    assert capsys.readouterr().err.startswith("error: model.family: 'custom' is a model built in Python")
+    assert plan_cli.main(["--devices", "2", "--rules", ","]) == 2
+    assert capsys.readouterr().err == "error: --rules: no rule set named (e.g. --rules dp,fsdp)\n"

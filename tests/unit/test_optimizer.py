@@ -1,0 +1,83 @@
+"""Optimizer hyperparameters are traced inputs (one compile serves every LR), and bf16 parameters
+keep float32 master weights so small updates survive."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import put_windows
+
+from jaxtrain.train import setup
+from jaxtrain.train.optimizer import hyperparameters, learning_rate
+
+
+def _batch(fns, seed=0):
+    windows = np.random.default_rng(seed).integers(0, 256, (1, 8, 33), dtype=np.int32)
+    return put_windows(windows, fns.batch_sharding)
+
+
+def test_learning_rate_equals_optax_warmup_cosine(small_cfg):
+    cfg = small_cfg("optimizer.lr=3e-3", "optimizer.min_lr=1e-4", "optimizer.warmup_steps=4", "train.steps=20")
+    ref = optax.warmup_cosine_decay_schedule(0.0, 3e-3, 4, 20, 1e-4)
+    h = hyperparameters(cfg)
+    for count in range(25):  # update `count` uses the schedule at count + 1
+        np.testing.assert_allclose(float(learning_rate(h, count)), float(ref(count + 1)), rtol=1e-6, atol=1e-12)
+
+
+def test_one_compiled_step_serves_every_learning_rate(small_cfg):
+    dev = jax.devices()[:1]
+    a = setup(small_cfg("mesh.data=1", "optimizer.lr=0.00077"), dev, vocab=256)
+    b = setup(small_cfg("mesh.data=1", "optimizer.lr=0.00078", "optimizer.min_lr=0.0", "optimizer.warmup_steps=0",
+                        "optimizer.b2=0.95", "optimizer.weight_decay=0.0", "optimizer.clip_norm=0.5",
+                        "train.steps=77"), dev, vocab=256)
+    # The same program text: the persistent compile cache's key, so a rerun with a new LR hits it.
+    text = lambda s: s.fns.train_step.lower(s.abstract_state(), s.abstract_batch()).as_text()  # noqa: E731
+    assert text(a) == text(b)
+    # In one process: the same compiled step runs both configs' hyperparameters...
+    batch, step = _batch(a.fns), a.fns.train_step
+    _, m_a = step(a.fns.init(), batch)
+    _, m_b = step(a.fns.init(), batch, b.fns.train_step.hparams)
+    assert step.inner._cache_size() == 1
+    # ...and each gives what its own config's step gives, bit for bit.
+    state_b, ref_b = b.fns.train_step(b.fns.init(), batch)
+    state_ab, _ = step(a.fns.init(), batch, b.fns.train_step.hparams)
+    assert float(m_a["lr"]) == pytest.approx(0.00077 / 5, rel=1e-6)  # warmup 1/5
+    assert float(m_b["lr"]) == pytest.approx(0.00078 * 0.5 * (1 + np.cos(np.pi / 77)), rel=1e-6)  # cosine, 1/77
+    leaves = [jax.tree_util.tree_leaves(jax.device_get(s)) for s in (state_ab, state_b)]
+    for x, y in zip(*leaves):
+        np.testing.assert_array_equal(x, y)
+
+
+def _moved(cfg, steps=5):
+    """(init params, params after ``steps`` updates at a constant lr, the state) on one device."""
+    fns = setup(cfg, jax.devices()[:1], vocab=256).fns
+    state = fns.init()
+    init = jax.device_get(state["params"])
+    for i in range(steps):
+        state, m = fns.train_step(state, _batch(fns, i))
+        assert int(m["nonfinite"]) == 0
+    return init, jax.device_get(state["params"]), state, fns
+
+
+CONSTANT_LR = ["model.param_dtype=bfloat16", "mesh.data=1", "optimizer.lr=1e-5", "optimizer.min_lr=1e-5",
+               "optimizer.warmup_steps=0", "optimizer.weight_decay=0.0"]
+
+
+def test_bf16_params_keep_float32_masters_and_every_small_update(small_cfg):
+    init, after, state, fns = _moved(small_cfg(*CONSTANT_LR))
+    assert fns.low_precision == []
+    leaves = jax.tree_util.tree_leaves(state)
+    assert {x.dtype for x in leaves if jnp.issubdtype(x.dtype, jnp.floating)} == {jnp.dtype(jnp.float32)}
+    moved = [np.mean(x != y) for x, y in zip(jax.tree_util.tree_leaves(init), jax.tree_util.tree_leaves(after))]
+    assert min(moved) > 0.95, moved  # every tensor moves, as with float32 params
+    scale = after["layers"][0]["attn_norm"]["scale"]
+    assert np.all(scale != init["layers"][0]["attn_norm"]["scale"])  # 1.0 +- 5e-5 (bf16's ulp at 1 is 7.8e-3)
+    # The model computes with the bf16 cast; export gets bf16 too.
+    assert fns.model_params(state["params"])["lm_head"].dtype == jnp.bfloat16
+
+
+def test_pure_bf16_is_opt_in_and_loses_small_updates(small_cfg):
+    init, after, state, fns = _moved(small_cfg(*CONSTANT_LR, "optimizer.master_weights=false"))
+    assert "lm_head" in fns.low_precision and state["params"]["lm_head"].dtype == jnp.bfloat16
+    scale = after["layers"][0]["attn_norm"]["scale"]
+    assert np.all(scale == init["layers"][0]["attn_norm"]["scale"])  # why master weights are the default

@@ -1,0 +1,111 @@
+"""The run directory: never overwritten by a failed resume, locked, no duplicate metric rows."""
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from jaxtrain.errors import CheckpointError, ConfigError, ShardingError
+from jaxtrain.metrics.sinks import read_metrics
+from jaxtrain.parallel.rules import Rules, check_mesh_used
+from jaxtrain.train import fit, rundir
+from jaxtrain.train.sample import generate
+
+
+def test_resume_into_another_model_is_named_and_keeps_config(small_cfg):
+    cfg = small_cfg("train.steps=2", "checkpoint.every=2", "mesh.data=1", run_dir="r")
+    fit(cfg, devices=jax.devices()[:1], quiet=True)
+    saved = open(f"{cfg.run.dir}/config.yaml").read()
+    other = small_cfg("train.steps=4", "checkpoint.every=2", "mesh.data=1", "model.d_model=32",
+                      "model.n_layers=3", run_dir="r")
+    with pytest.raises(CheckpointError) as e:
+        fit(other, devices=jax.devices()[:1], quiet=True)
+    assert str(e.value).endswith(
+        "\nconfig keys changed since the checkpoint (use a new run.dir or the saved values):\n"
+        "  model.d_model: checkpoint has 64, config has 32\n"
+        "  model.n_layers: checkpoint has 2, config has 3")
+    assert "params.layers.0.attn.wq: saved shape (64, 4, 16) float32, expected (32, 4, 8) float32" in str(e.value)
+    assert open(f"{cfg.run.dir}/config.yaml").read() == saved
+
+
+def test_resume_drops_metric_rows_past_the_checkpoint(small_cfg):
+    cfg = small_cfg("train.steps=4", "checkpoint.every=2", "mesh.data=1", run_dir="m")
+    fit(cfg, devices=jax.devices()[:1], quiet=True)
+    path = f"{cfg.run.dir}/metrics.jsonl"
+    with open(path, "a") as f:  # rows of a run that died after step 4's checkpoint
+        f.write(json.dumps({"step": 5, "loss": 1.0}) + "\n" + json.dumps({"step": 6, "loss": 1.0}) + "\n")
+    fit(small_cfg("train.steps=6", "checkpoint.every=2", "mesh.data=1", run_dir="m"),
+                 devices=jax.devices()[:1], quiet=True)
+    steps = [r["step"] for r in read_metrics(cfg.run.dir) if "loss" in r]
+    assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_run_dir_is_locked(tmp_path):
+    lock = rundir.RunLock(tmp_path)
+    with pytest.raises(ConfigError, match=r"^run.dir: '.*' is in use by another training process \(pid \d+\)$"):
+        rundir.RunLock(tmp_path)
+    lock.release()
+    rundir.RunLock(tmp_path).release()  # free again
+
+
+def test_foreign_directory_is_not_overwritten(small_cfg, tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.yaml").write_text("my notes\n")
+    with pytest.raises(ConfigError, match="is not empty and is not a jaxtrain run directory"):
+        with rundir.opened(small_cfg(f"run.dir={mine}")):
+            pass
+    assert (mine / "config.yaml").read_text() == "my notes\n"
+
+
+def test_unused_mesh_axis_is_named_error():
+    with pytest.raises(ShardingError) as e:
+        check_mesh_used(Rules.load("fsdp_tp"), {"data": 1, "fsdp": 1, "tensor": 1, "sequence": 8, "expert": 1})
+    assert str(e.value) == ("mesh.sequence=8: rule set 'fsdp_tp' maps no logical name to mesh axis 'sequence', so "
+                            "the 8 devices along it would repeat the same work; use a rule set that shards over "
+                            "'sequence' or set mesh.sequence=1")
+    check_mesh_used(Rules.load("sp"), {"data": 1, "fsdp": 1, "tensor": 1, "sequence": 8, "expert": 1})
+
+
+def test_sampling_never_emits_banned_or_padding_ids():
+    favourite = np.zeros((1, 4, 10), np.float32)
+    favourite[..., 3] = 50.0  # <unk>, by far the likeliest
+    favourite[..., 8:] = 60.0  # padding ids beyond the tokenizer
+    ids = generate(lambda p, buf: favourite, None, np.array([1]), 20, 4, temperature=1.0, seed=0,
+                   banned=(3,), vocab_limit=8)
+    assert len(ids) == 21 and not set(ids[1:].tolist()) & {3, 8, 9}
+
+
+def test_resume_notes_name_changed_data_and_optimizer_keys(small_cfg):
+    from jaxtrain.train import rundir
+    cfg = small_cfg("train.steps=4")
+    Path(cfg.run.dir).mkdir(parents=True)
+    rundir.write_config_file(cfg, Path(cfg.run.dir))
+    shape_keys, notes = rundir.resume_changes(
+        small_cfg("train.steps=4", "optimizer.lr=5e-4", "optimizer.b2=0.95", "data.seed=3"), Path(cfg.run.dir))
+    assert shape_keys == []
+    assert notes == ["data.seed changed from 0 to 3", "optimizer.lr changed from 0.001 to 0.0005",
+                     "optimizer.b2 changed from 0.99 to 0.95"]
+
+
+def test_the_jitted_sampler_equals_a_token_by_token_loop_with_a_sliding_window():
+    import jax.numpy as jnp
+
+    def logits_fn(p, buf):  # position t favours (7 * sum(buf[:t+1]) + t) mod 10: depends on the window
+        t = jnp.arange(buf.shape[1])
+        return (jax.nn.one_hot((7 * jnp.cumsum(buf[0]) + t) % 10, 10) * 5.0 + p)[None]
+
+    def host(prompt, n, seq_len):  # the plain loop: the last seq_len tokens, argmax at the last one
+        out = list(prompt)
+        for _ in range(n):
+            ctx = np.asarray(out[-seq_len:])
+            t = len(ctx) - 1
+            out.append(int(np.argmax(np.asarray(logits_fn(0.0, jnp.asarray(ctx)[None]))[0, t])))
+        return out
+
+    ids = generate(logits_fn, 0.0, np.array([2, 5]), 12, 4, temperature=0.0, seed=0)
+    assert ids.tolist() == host([2, 5], 12, 4)
+    assert len(set(ids.tolist())) > 3  # the sequence moves, so the window bookkeeping is exercised
+    ids = generate(logits_fn, 0.0, np.array([1, 2, 3, 4, 5, 6]), 5, 4, 0.0, 0)
+    assert ids.tolist() == host([1, 2, 3, 4, 5, 6], 5, 4)

@@ -115,7 +115,7 @@ def ring_memory(args) -> int:
 
     n, t = args.ring_devices, args.ring_seq
     b, h, kvh, d = 1, 8, 8, 128
-    mesh = Mesh(np.asarray(jax.devices()[:n]).reshape(1, 1, 1, n, 1), MESH_AXES,
+    mesh = Mesh(np.asarray(jax.devices()[:n]).reshape(1, 1, 1, n, 1, 1), MESH_AXES,
                 axis_types=(AxisType.Auto,) * len(MESH_AXES))
     rules = Rules("sp", {"batch": [("data",)], "length": [("sequence",)], "heads": [None], "kv_heads": [None],
                          "kv": [None]})

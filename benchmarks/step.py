@@ -76,8 +76,8 @@ class JaxBench:
         t0 = time.perf_counter()
         self.compiled = s.fns.train_step.lower(self.state, self.batches[0]).compile()
         self.compile_s = time.perf_counter() - t0
-        self.fpt = s.spec.flops_per_unit
-        self.tokens_per_step = cfg.train.global_batch * s.spec.units_per_example
+        self.fpt = s.model_spec.flops_per_unit
+        self.tokens_per_step = cfg.train.global_batch * s.model_spec.units_per_example
         self.n_params = count_params(self.state["params"])
         self.i = 0
         self.last_loss = None
@@ -112,7 +112,7 @@ def abstract_compile(config: str | None, overrides: list[str]) -> dict:
     compiled, state = s.compile_abstract()
     mem = compiled.memory_analysis()
     return {"config": config, "n_params": count_params(state["params"]),
-            "flops_per_token": s.spec.flops_per_unit, "compile_s": time.perf_counter() - t0,
+            "flops_per_token": s.model_spec.flops_per_unit, "compile_s": time.perf_counter() - t0,
             "compiled_temp_bytes": getattr(mem, "temp_size_in_bytes", None)}
 
 

@@ -197,7 +197,7 @@ def jax_reference(cfg, vocab: int) -> tuple[int, float]:
     one = cfg.model_copy(update={"mesh": cfg.mesh.model_copy(update={"data": 1, "fsdp": 1, "tensor": 1,
                                                                      "sequence": 1, "expert": 1})})
     s = setup(one, jax.devices("cpu")[:1], vocab=vocab)
-    return count_params(s.abstract_state()["params"]), s.spec.flops_per_unit
+    return count_params(s.abstract_state()["params"]), s.model_spec.flops_per_unit
 
 
 def main(argv=None) -> int:

@@ -26,12 +26,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.models.layers import RMSNorm, param, project
+from jaxtrain.parallel import pipeline
 from jaxtrain.parallel.activations import constrain
 
 REMAT_POLICIES = {"full": None, "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
-# (block, x [batch, length, embed]) -> (x, aux): one block applied, aux a pytree of arrays or None.
-BlockCall = Callable[[nnx.Module, jax.Array], tuple[jax.Array, Any]]
+# (block, x [batch, length, embed], extras {name: [batch, ...]}) -> (x, aux): one block applied, aux a
+# pytree of arrays or None. ``extras`` are the per-example inputs (positions, segment ids, masks),
+# passed explicitly so a pipeline can cut them into microbatches beside x.
+BlockCall = Callable[[nnx.Module, jax.Array, dict], tuple[jax.Array, Any]]
 
 
 def checkpoint(fn: Callable, remat: str, prevent_cse: bool = True) -> Callable:
@@ -49,13 +52,13 @@ def checkpoint(fn: Callable, remat: str, prevent_cse: bool = True) -> Callable:
     return jax.checkpoint(fn, policy=REMAT_POLICIES[remat], prevent_cse=prevent_cse)
 
 
-def remat_block(block: nnx.Module, x: jax.Array, call: BlockCall, remat: str) -> tuple[jax.Array, Any]:
-    """``call(block, x)``, the block's activations recomputed in the backward pass under ``remat``."""
+def remat_block(block: nnx.Module, x: jax.Array, call: BlockCall, remat: str, extras: dict) -> tuple[jax.Array, Any]:
+    """``call(block, x, extras)``, the block's activations recomputed in the backward pass under ``remat``."""
     if remat == "none":
-        return call(block, x)
+        return call(block, x, extras)
     # jax.checkpoint takes arrays, not modules: pass the block's state and rebuild it inside.
     graphdef, state = nnx.split(block)
-    return checkpoint(lambda h, st: call(nnx.merge(graphdef, st), h), remat)(x, state)
+    return checkpoint(lambda h, st: call(nnx.merge(graphdef, st), h, extras), remat)(x, state)
 
 
 def stack_blocks(blocks: list[nnx.Module]) -> nnx.Module:
@@ -69,26 +72,35 @@ def stack_blocks(blocks: list[nnx.Module]) -> nnx.Module:
     return stacked
 
 
-def scan_blocks(stacked: nnx.Module, x: jax.Array, call: BlockCall, remat: str) -> tuple[jax.Array, Any]:
+def scan_blocks(stacked: nnx.Module, x: jax.Array, call: BlockCall, remat: str,
+                extras: dict) -> tuple[jax.Array, Any]:
     """x [batch, length, embed] through every layer of a stacked block with ``jax.lax.scan``
     -> (x, aux stacked on a leading [layers] dim)."""
     graphdef, state = nnx.split(stacked)
 
     def body(h, layer_state):
-        return call(nnx.merge(graphdef, layer_state), h)
+        return call(nnx.merge(graphdef, layer_state), h, extras)
 
     return jax.lax.scan(checkpoint(body, remat, prevent_cse=False), x, state)
 
 
-def run_blocks(layers: nnx.Module, x: jax.Array, call: BlockCall, remat: str,
-               scanned: bool) -> tuple[jax.Array, Any]:
+def run_blocks(layers: nnx.Module, x: jax.Array, call: BlockCall, remat: str, scanned: bool,
+               extras: Optional[dict] = None) -> tuple[jax.Array, Any]:
     """x [batch, length, embed] through ``layers`` (a stacked block when ``scanned``, else an
-    ``nnx.List`` of blocks) -> (x, each layer's aux stacked on a leading [layers] dim)."""
+    ``nnx.List`` of blocks) -> (x, each layer's aux stacked on a leading [layers] dim).
+
+    Inside an active pipeline (``jaxtrain.parallel.pipeline``, entered by the train step when
+    ``mesh.stage > 1``) the stacked layers run as its schedule, microbatched; the result is the same.
+    """
+    extras = extras or {}
+    schedule = pipeline.active_schedule()
+    if schedule is not None and scanned:
+        return pipeline.run(layers, x, extras, call, lambda fn: checkpoint(fn, remat, prevent_cse=False), schedule)
     if scanned:
-        return scan_blocks(layers, x, call, remat)
+        return scan_blocks(layers, x, call, remat, extras)
     per_layer = []
     for block in layers:
-        x, aux = remat_block(block, x, call, remat)
+        x, aux = remat_block(block, x, call, remat, extras)
         per_layer.append(aux)
     return x, jax.tree_util.tree_map(lambda *v: jnp.stack(v), *per_layer)
 
@@ -135,12 +147,14 @@ class Decoder(nnx.Module):
         x = constrain(table[tokens].astype(dt), "batch", "residual_length", "embed")
 
         returns_aux = self.block_returns_aux
+        extras = {"positions": positions, "segment_ids": segment_ids, **inputs}
 
-        def call(block: nnx.Module, h: jax.Array) -> tuple[jax.Array, Any]:
-            out = block(h, positions, segment_ids, **inputs)
+        def call(block: nnx.Module, h: jax.Array, e: dict) -> tuple[jax.Array, Any]:
+            out = block(h, e.get("positions"), e.get("segment_ids"),
+                        **{k: v for k, v in e.items() if k not in ("positions", "segment_ids")})
             return out if returns_aux else (out, None)
 
-        x, aux = run_blocks(self.layers, x, call, cfg.remat, cfg.scan_layers)
+        x, aux = run_blocks(self.layers, x, call, cfg.remat, cfg.scan_layers, extras)
         x = self.final_norm(x)
         head = self.embed.embedding[...].T if cfg.tie_embeddings else self.lm_head[...]
         logits = project(x, head.astype(dt)).astype(jnp.float32)

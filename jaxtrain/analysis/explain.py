@@ -69,7 +69,7 @@ def explain(cfg: Config, devices, vocab: Optional[int] = None, top: int = 25,
         ospec = _spec(opt_specs[name], x.ndim)
         rows.append([name, "x".join(map(str, x.shape)), "(" + ", ".join(map(str, axes[name])) + ")", spec,
                      "" if ospec == spec else ospec, memory.fmt_bytes(memory.shard_bytes(x))])
-    out = [f"mesh {describe(s.mesh)} | rules {s.rules.name} | model {s.spec.name} | batch "
+    out = [f"mesh {describe(s.mesh)} | rules {s.rules.name} | model {s.model_spec.name} | batch "
            f"{_spec(s.fns.batch_sharding.spec, 2)} [accum, micro, ...]", "",
            _fmt_table(["parameter", "shape", "logical axes", "PartitionSpec", "optimizer state", "bytes/device"],
                       rows, right={5}), ""]

@@ -20,6 +20,7 @@ JAX starts its backend (importing jax does not start it; the first device query 
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 import time
@@ -33,6 +34,7 @@ from jaxtrain.cli.common import add_config_args, cli, config_args, enable_compil
 from jaxtrain.config import MESH_AXES, Config
 from jaxtrain.errors import ConfigError, ShardingError
 from jaxtrain.metrics import memory
+from jaxtrain.parallel.pipeline import schedule_of
 from jaxtrain.parallel.rules import Rules
 from jaxtrain.parallel.rules import rule_sets as shipped_rule_sets
 from jaxtrain.train.assembly import setup, vocab_for
@@ -51,6 +53,8 @@ class Candidate:
     collectives: dict[str, int] = field(default_factory=dict)  # kind -> bytes per device per step
     compile_s: float = 0.0
     fits: Optional[bool] = None  # peak <= --device-memory (None: no budget given)
+    bubble: float = 0.0  # the pipeline's idle fraction per stage (0 without one)
+    est_step_s: Optional[float] = None  # the cost model's step time (--nodes given), see cost()
 
     @property
     def mesh_str(self) -> str:
@@ -118,6 +122,8 @@ def evaluate(cand: Candidate, cfg: Config, vocab: int, devices, seen: dict, budg
     cand.memory = memory.state_report(abstract, s.fns.state_shardings, compiled)
     cand.collectives = collectives.totals(collectives.parse(compiled.as_text()))
     cand.status = "compiled"
+    if cand.mesh["stage"] > 1:
+        cand.bubble = schedule_of(cfg, cand.mesh["stage"]).bubble
     if s.rules.fallbacks:
         cand.reason = f"replicated {len(s.rules.fallbacks)} indivisible dims (allow_fallback)"
     if budget is not None:
@@ -126,23 +132,62 @@ def evaluate(cand: Candidate, cfg: Config, vocab: int, devices, seen: dict, budg
 
 
 def rank(cands: list[Candidate]) -> list[Candidate]:
+    """Within the memory budget first; then the cost model's step time when there is one (``--nodes``),
+    else the fewest collective bytes; then the lowest peak."""
     done = [c for c in cands if c.status == "compiled"]
-    return sorted(done, key=lambda c: (c.fits is False, c.comm_bytes, c.memory.compiled["peak"]))
+    return sorted(done, key=lambda c: (c.fits is False, c.est_step_s if c.est_step_s is not None else 0.0,
+                                       c.comm_bytes, c.memory.compiled["peak"]))
+
+
+@dataclass(frozen=True)
+class Links:
+    """The cost model's machine: ``nodes`` nodes, links within and across them (bytes/s), and the
+    per-device compute (FLOP/s). The mesh's outermost axes (``stage``, then ``data``, ``fsdp``, ...:
+    ``jaxtrain.parallel.mesh.build_mesh``'s order) are the ones that span nodes."""
+
+    nodes: int
+    intra_bps: float
+    inter_bps: float
+    device_flops: float
+
+
+# The collectives each axis issues: its bytes go over the links that axis crosses.
+AXIS_KINDS = {"stage": ("collective-permute",), "data": ("all-reduce", "reduce-scatter", "all-gather"),
+              "fsdp": ("all-reduce", "reduce-scatter", "all-gather"), "expert": ("all-to-all",)}
+LAYOUT = ("stage", "data", "fsdp", "tensor", "sequence", "expert")
+
+
+def cost(cand: Candidate, links: Links, flops_per_step: float) -> float:
+    """Seconds per step: compute / (1 - bubble) + each collective kind's bytes over its link (the
+    slow one when an axis issuing that kind spans nodes). A model for ranking, not a prediction."""
+    n = math.prod(cand.mesh.values())
+    across, covered = set(), 1
+    for axis in LAYOUT:
+        if covered >= links.nodes:
+            break
+        if cand.mesh[axis] > 1:
+            across.add(axis)
+            covered *= cand.mesh[axis]
+    slow = {k for a in across for k in AXIS_KINDS.get(a, ())}
+    comm = sum(b / (links.inter_bps if k in slow else links.intra_bps) for k, b in cand.collectives.items())
+    return flops_per_step / (n * links.device_flops) / (1 - cand.bubble) + comm
 
 
 def table(cands: list[Candidate], budget: Optional[int]) -> str:
     """The ranked table as fixed-width text (bytes in binary units, per device)."""
     short = {"all-gather": "all-gather", "reduce-scatter": "reduce-scat", "all-reduce": "all-reduce",
              "all-to-all": "all-to-all", "collective-permute": "coll-perm"}
-    head = ["#", "rules", "mesh d,f,t,s,e", "peak", "params", "optimizer",
-            *[short[k] for k in collectives.KINDS], "compile s"]
+    head = ["#", "rules", "mesh d,f,t,s,e,p", "peak", "params", "optimizer",
+            *[short[k] for k in collectives.KINDS], "bubble", "est. step", "compile s"]
     rows = []
     for i, c in enumerate(rank(cands), 1):
         m = c.memory
         mark = " OVER" if c.fits is False else ""
         fmt = memory.fmt_bytes
+        est = f"{c.est_step_s * 1e3:.3g} ms" if c.est_step_s is not None else "-"
         rows.append([str(i), c.rules, c.mesh_str, fmt(m.compiled["peak"]) + mark, fmt(m.params), fmt(m.opt_state),
-                     *[fmt(c.collectives[k]) for k in collectives.KINDS], f"{c.compile_s:.1f}"])
+                     *[fmt(c.collectives[k]) for k in collectives.KINDS], f"{100 * c.bubble:.0f}%", est,
+                     f"{c.compile_s:.1f}"])
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     line = lambda r: "  ".join(x.rjust(w) if i not in (1, 2) else x.ljust(w)  # noqa: E731
                                for i, (x, w) in enumerate(zip(r, widths)))
@@ -153,7 +198,8 @@ def table(cands: list[Candidate], budget: Optional[int]) -> str:
 
 
 def plan(cfg: Config, n_devices: int, rule_sets: Optional[Sequence[str]] = None, budget: Optional[int] = None,
-         vocab: Optional[int] = None, allow_fallback: bool = False, log=None) -> list[Candidate]:
+         vocab: Optional[int] = None, allow_fallback: bool = False, log=None,
+         links: Optional[Links] = None) -> list[Candidate]:
     """Evaluates every candidate on the first ``n_devices`` CPU devices; returns all of them.
 
     ``rule_sets`` defaults to every shipped one (``sharding_rules/*.yaml``).
@@ -174,6 +220,13 @@ def plan(cfg: Config, n_devices: int, rule_sets: Optional[Sequence[str]] = None,
         evaluate(c, cfg, vocab, devices[:n_devices], seen, budget, allow_fallback)
         if log and c.status == "compiled":
             log(f"compiled {c.rules:8s} {c.mesh_str} in {c.compile_s:.1f} s")
+    if links is not None:
+        fam = family_of(cfg)
+        model_cfg = cfg.model.model_copy(update={"vocab_size": vocab})
+        flops_per_step = fam.flops_per_token(model_cfg, cfg.data.seq_len) * cfg.data.seq_len * cfg.train.global_batch
+        for c in cands:
+            if c.status == "compiled":
+                c.est_step_s = cost(c, links, flops_per_step)
     return cands
 
 
@@ -195,6 +248,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--device-memory", help="per-device budget, e.g. 80GiB; candidates above are marked OVER")
     parser.add_argument("--allow-fallback", action="store_true",
                         help="replicate indivisible dims (reported) instead of rejecting the candidate")
+    parser.add_argument("--nodes", type=int, default=None,
+                        help="rank by a cost model of this many nodes (the mesh's outer axes span them)")
+    parser.add_argument("--intra-node-gbps", type=float, default=450.0, help="GB/s within a node (NVLink-class)")
+    parser.add_argument("--inter-node-gbps", type=float, default=25.0, help="GB/s between nodes (200 Gb/s NIC)")
+    parser.add_argument("--device-tflops", type=float, default=400.0, help="per-device compute, TFLOP/s")
     add_config_args(parser)
     args = config_args(parser, sys.argv[1:] if argv is None else argv)
     return cli(lambda: _plan(args))
@@ -215,8 +273,13 @@ def _plan(args: argparse.Namespace) -> int:
     use_cpu_devices(args.devices)
     enable_compilation_cache()
     t0 = time.perf_counter()
+    links = None
+    if args.nodes is not None:
+        if args.nodes < 1 or args.devices % args.nodes:
+            raise ConfigError(f"--nodes: {args.nodes} nodes do not split --devices {args.devices} evenly")
+        links = Links(args.nodes, args.intra_node_gbps * 1e9, args.inter_node_gbps * 1e9, args.device_tflops * 1e12)
     cands = plan(cfg, args.devices, rule_sets, budget, allow_fallback=args.allow_fallback,
-                      log=lambda s: print(s, file=sys.stderr, flush=True))
+                 log=lambda s: print(s, file=sys.stderr, flush=True), links=links)
     print(f"plan: {args.devices} devices, {len(cands)} candidates, "
           f"{sum(c.status == 'compiled' for c in cands)} compiled in {time.perf_counter() - t0:.0f} s "
           f"(bytes per device; collectives: bytes per step)\n")

@@ -41,7 +41,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxtrain.checkpoint import integrity, processes, retention, storage
+from jaxtrain.checkpoint import integrity, layer_layout, processes, retention, storage
 from jaxtrain.checkpoint.integrity import mismatches, tree_summary
 from jaxtrain.checkpoint.layout import FORMAT, MARKER, PENDING, Layout, pending_name
 from jaxtrain.checkpoint.pending import FIRST_NOTE_S, NOTE_EVERY_S, CommitWork, PendingSave, wait_for
@@ -329,7 +329,7 @@ class Checkpointer:
             model: the message lists every mismatched path with saved and expected shape/dtype.
           CorruptCheckpointError: a file of ``step`` differs in size or CRC32C from its marker.
         """
-        info = self._checked_marker(step, abstract_state)
+        info, as_saved = self._checked_marker(step, abstract_state)
         if self.remote:  # into the staging directory, shared by the processes like Orbax's own
             t0 = time.perf_counter()
             nbytes = self.store.download(str(step), Path(self.directory / str(step))) if primary() else 0
@@ -341,17 +341,18 @@ class Checkpointer:
             actual = integrity.local_manifest(local) if self.remote else self.store.manifest(str(step))
             integrity.check(step, self.store.url, info.get("files"), actual)
             out = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+                state=ocp.args.StandardRestore(as_saved), data=ocp.args.JsonRestore()))
         except (ValueError, KeyError, TypeError, FileNotFoundError) as err:
             raise CheckpointError(f"checkpoint step {step} in {self.store.url} cannot be read: {err}") from err
         finally:
             if self.remote:
                 sync("jaxtrain_ckpt_restored")
             self._drop_staging(step)
-        return out["state"], dict(out["data"])
+        return layer_layout.convert(out["state"], abstract_state), dict(out["data"])
 
-    def _checked_marker(self, step: int, abstract_state: Any) -> dict:
-        """``step``'s marker, once it is known to fit ``abstract_state`` (before any file is read).
+    def _checked_marker(self, step: int, abstract_state: Any) -> tuple[dict, Any]:
+        """(``step``'s marker, ``abstract_state`` in the layer layout it was saved in), once it is
+        known to fit (before any file is read; :mod:`jaxtrain.checkpoint.layer_layout`).
 
         Raises:
           CorruptCheckpointError: the marker is damaged.
@@ -363,12 +364,13 @@ class Checkpointer:
         if info is None:
             raise CheckpointError(f"checkpoint step {step} in {self.store.url} is not committed "
                                   f"(no valid {MARKER}); committed steps: {list(self.committed())}")
-        bad = mismatches(info["tree"], tree_summary(abstract_state))
-        if bad:
+        as_saved = layer_layout.saved_layout(abstract_state, info["tree"])
+        if as_saved is None:
+            bad = mismatches(info["tree"], tree_summary(abstract_state))
             raise CheckpointError(
                 f"checkpoint step {step} in {self.store.url} does not match the current config "
                 f"({len(bad)} mismatched paths):\n  " + "\n  ".join(bad))
-        return info
+        return info, as_saved
 
     def set_aside(self, step: int) -> str:
         """Moves committed ``step`` out of the way as ``<step>.corrupt`` (kept, never restored). Returns the name."""

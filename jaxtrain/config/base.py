@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict
 if TYPE_CHECKING:  # annotations only: the schema imports this module
     from jaxtrain.config.schema import Config
 
-MESH_AXES = ("data", "fsdp", "tensor", "sequence", "expert")
+MESH_AXES = ("data", "fsdp", "tensor", "sequence", "expert", "stage")
 SINKS = ("console", "jsonl", "tensorboard", "mlflow", "wandb")  # metrics.sinks (jaxtrain.metrics.sinks)
 DEFAULT_FAMILY = "llama"
 

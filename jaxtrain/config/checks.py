@@ -52,7 +52,7 @@ def check_consistency(cfg: "Config") -> None:
     _check_data(cfg)
     _check_optimizer(cfg.optimizer)
     d = cfg.distributed
-    for key in ("init_timeout_s", "peer_timeout_s", "stop_check_every", "num_processes"):
+    for key in ("init_timeout_s", "peer_timeout_s", "stop_check_every", "num_processes", "device_micro_batch"):
         if getattr(d, key) is not None:
             positive(f"distributed.{key}", getattr(d, key))
     if d.process_id is not None and d.process_id < 0:
@@ -69,12 +69,28 @@ def check_consistency(cfg: "Config") -> None:
     for a, s in zip(MESH_AXES, sizes):
         if s == 0 or s < -1:
             raise ConfigError(f"mesh.{a}: must be a positive size or -1, got {s}")
+    _check_pipeline(cfg)
     unknown = [s for s in cfg.metrics.sinks if s not in SINKS]
     if unknown:
         raise ConfigError(f"metrics.sinks: unknown sink '{unknown[0]}' (known: {', '.join(SINKS)})")
     if len(set(cfg.metrics.sinks)) != len(cfg.metrics.sinks):
         raise ConfigError(f"metrics.sinks: a sink named twice in {cfg.metrics.sinks}")
     cfg.model.check(cfg)
+
+
+def _check_pipeline(cfg: "Config") -> None:
+    p, m = cfg.pipeline, cfg.mesh
+    if p.microbatches < 0:
+        raise ConfigError(f"pipeline.microbatches: must be >= 0 (0 = mesh.stage), got {p.microbatches}")
+    positive("pipeline.repeats", p.repeats)
+    if p.repeats > 1 and p.schedule != "circular":
+        raise ConfigError(f"pipeline.repeats: {p.repeats} chunks per stage need pipeline.schedule=circular, "
+                          f"got {p.schedule}")
+    for axis, nodes in m.across_nodes.items():
+        if axis not in MESH_AXES:
+            raise ConfigError(f"mesh.across_nodes: '{axis}' is not a mesh axis (mesh axes: {', '.join(MESH_AXES)})")
+        if not isinstance(nodes, int) or nodes < 1:
+            raise ConfigError(f"mesh.across_nodes.{axis}: must be a whole number of nodes >= 1, got {nodes!r}")
 
 
 def _check_data(cfg: "Config") -> None:
@@ -131,4 +147,32 @@ def check_against_mesh(cfg: "Config", axis_sizes: dict[str, int], platform: Opti
             f"train.global_batch: micro-batch {cfg.micro_batch} (global_batch {cfg.train.global_batch} / "
             f"grad_accum {cfg.train.grad_accum}) is not divisible by data*fsdp*expert = "
             f"{axis_sizes['data']}*{axis_sizes['fsdp']}*{axis_sizes['expert']} = {batch_div}")
+    check_pipeline_against_mesh(cfg, axis_sizes)
     cfg.model.check_against_mesh(cfg, axis_sizes, platform)
+
+
+def check_pipeline_against_mesh(cfg: "Config", axis_sizes: dict[str, int]) -> None:
+    """With ``mesh.stage > 1``: the micro-batch splits into pipeline microbatches that the batch axes
+    still divide, the model pipelines (a family built on the shared decoder) and the schedule fits.
+
+    Raises:
+      ConfigError: naming the key and what would divide.
+    """
+    stages = axis_sizes.get("stage", 1)
+    if stages == 1:
+        return
+    p, micro, m = cfg.pipeline, cfg.micro_batch, cfg.microbatches
+    batch_div = axis_sizes["data"] * axis_sizes["fsdp"] * axis_sizes["expert"]
+    if micro % m or (micro // m) % batch_div:
+        raise ConfigError(f"pipeline.microbatches: the micro-batch of {micro} sequences splits into {m} pipeline "
+                          f"microbatches of {micro / m:g}, which data*fsdp*expert = {batch_div} must divide; "
+                          f"use a micro-batch that is a multiple of {m * batch_div}")
+    if axis_sizes.get("sequence", 1) > 1:
+        raise ConfigError(f"mesh.sequence: {axis_sizes['sequence']} with mesh.stage={stages}: ring attention "
+                          f"inside the pipeline is not supported; use mesh.sequence=1")
+    if p.schedule == "circular" and m < stages:
+        raise ConfigError(f"pipeline.microbatches: the circular schedule needs at least as many microbatches as "
+                          f"stages ({stages}), got {m}")
+    if not getattr(type(cfg.model), "pipelines", False):
+        raise ConfigError(f"mesh.stage: {stages} stages, but model family '{cfg.model.family}' does not pipeline "
+                          f"(families built on the shared decoder do: llama, mixtral); use mesh.stage=1")

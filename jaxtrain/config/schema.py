@@ -51,6 +51,21 @@ class MeshConfig(Section):
     tensor: int = 1
     sequence: int = 1
     expert: int = 1
+    stage: int = 1  # pipeline stages: the layers are split across them (the pipeline: section)
+    # How many nodes (processes, or TPU slices) an axis spans, e.g. {stage: 2}: the rest of each axis
+    # stays within a node, so the axes that talk most stay on the fast links (MaxText's dcn_*/ici_*).
+    # Empty: the device order alone decides.
+    across_nodes: dict[str, int] = {}
+
+
+class PipelineConfig(Section):
+    """Pipeline parallelism over ``mesh.stage`` (``jaxtrain.parallel.pipeline``). Each micro-batch
+    (``train.global_batch / train.grad_accum`` sequences) is split into ``microbatches`` that flow
+    through the stages; gradient accumulation steps each run a whole pipeline."""
+
+    microbatches: int = 0  # per micro-batch; 0: mesh.stage
+    schedule: Literal["gpipe", "circular", "1f1b"] = "gpipe"
+    repeats: int = 1  # circular: the chunks of layers each stage holds (the bubble shrinks by as much)
 
 
 # One rule candidate: a mesh axis, several mesh axes (sharded over their product), or null.
@@ -178,10 +193,14 @@ class ProfileConfig(Section):
 class DistributedConfig(Section):
     """Multi-process start-up (``jax.distributed``; ``jaxtrain.runtime.join``).
 
-    ``auto`` starts it when the environment names several processes: these keys, else
-    ``JAXTRAIN_COORDINATOR_ADDRESS`` / ``JAXTRAIN_NUM_PROCESSES`` / ``JAXTRAIN_PROCESS_ID`` (or an
-    Indexed Job's ``JOB_COMPLETION_INDEX``; the GKE launcher sets these), Vertex AI's ``CLUSTER_SPEC``,
-    a SLURM step of several tasks (``srun``) or a multi-host TPU slice (JAX's own detection).
+    ``auto`` starts it when the job's sources name several processes: these keys, jaxtrain's
+    ``JAXTRAIN_*`` variables, a Ray worker's, Kubeflow's ``JAX_*``, Volcano's, a JobSet's, Vertex AI's
+    ``CLUSTER_SPEC``, a SLURM step (``srun``) or a multi-host TPU slice; sources that disagree are an
+    error (the table: ``jaxtrain.runtime.job``).
+
+    ``elastic``: a run resumed on another number of batch devices (data*fsdp*expert, the -1 mesh axis
+    absorbing the change) keeps ``train.global_batch`` and the per-device micro-batch
+    (``device_micro_batch``) by raising or lowering ``train.grad_accum`` (``jaxtrain.train.elastic``).
     """
 
     mode: Literal["auto", "on", "off"] = "auto"  # on: always call jax.distributed.initialize
@@ -191,11 +210,16 @@ class DistributedConfig(Section):
     init_timeout_s: float = 300.0  # waiting for every process to join: then a named error, exit 5
     peer_timeout_s: float = 300.0  # a peer's heartbeat silent this long (it died): a named error, exit 5
     stop_check_every: int = 1  # steps between the all-reduces that agree on a SIGTERM/SIGINT stop
+    elastic: bool = True  # resumed on other devices: keep the global batch and device_micro_batch via grad_accum
+    # Sequences per batch device in one micro-batch, kept by elastic resumes; null: the first run's
+    # (global_batch / grad_accum / (data*fsdp*expert)), recorded in the run directory's config.yaml.
+    device_micro_batch: Optional[int] = None
 
 
 class Config(Section):
     model: SerializeAsAny[ModelConfig] = Field(default_factory=lambda: family_config(DEFAULT_FAMILY)())
     mesh: MeshConfig = MeshConfig()
+    pipeline: PipelineConfig = PipelineConfig()
     sharding: ShardingConfig = ShardingConfig()
     data: DataConfig = DataConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
@@ -225,6 +249,11 @@ class Config(Section):
     @property
     def micro_batch(self) -> int:
         return self.train.global_batch // self.train.grad_accum
+
+    @property
+    def microbatches(self) -> int:
+        """Pipeline microbatches per micro-batch (``pipeline.microbatches``, 0: ``mesh.stage``)."""
+        return self.pipeline.microbatches or max(1, self.mesh.stage)
 
     @property
     def decay_steps(self) -> int:

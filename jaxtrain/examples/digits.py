@@ -62,7 +62,7 @@ def loss(model: DigitsMLP, batch: dict) -> tuple[jax.Array, dict]:
 OPTIONS = {"hidden": 128}  # model.options of this example, with their defaults
 
 
-def spec(cfg: Config) -> ModelSpec:
+def model_spec(cfg: Config) -> ModelSpec:
     """The ModelSpec of ``model.options.hidden`` (hidden units).
 
     Raises:
@@ -108,7 +108,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from jaxtrain.config import load
         from jaxtrain.train import fit
         cfg = load(args.config or "digits_mlp", args.overrides)
-        result = fit(cfg, spec(cfg), data(cfg))
+        result = fit(cfg, model_spec(cfg), data(cfg))
         evals = [r for r in result.rows if "val_accuracy" in r]
         if evals:
             print(f"validation accuracy {evals[-1]['val_accuracy']:.4f} at step {evals[-1]['step']}")

@@ -206,7 +206,7 @@ def top_k(probs: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     if active is None:
         return jax.lax.top_k(probs, k)
     rules, mesh = active
-    spec = rules.spec("moe router probabilities", ("batch", "length", None), probs.shape, mesh)
+    spec = rules.partition_spec("moe router probabilities", ("batch", "length", None), probs.shape, mesh)
     return jax.shard_map(lambda p: tuple(jax.lax.top_k(p, k)), mesh=mesh, in_specs=spec, out_specs=(spec, spec),
                          )(probs)
 
@@ -218,11 +218,11 @@ def expert_layout(rules, mesh_shape, w_shape, x_shape):
     ``w_shape``: [exp, embed, mlp]; ``x_shape``: [batch, length, embed].
     Raises ShardingError as :func:`routed_experts` documents.
     """
-    sized = type("Sizes", (), {"shape": dict(mesh_shape)})  # what Rules.spec reads of a mesh
+    sized = type("Sizes", (), {"shape": dict(mesh_shape)})  # what Rules.partition_spec reads of a mesh
     big = lambda entry: tuple(a for a in _axes(entry) if mesh_shape[a] > 1)  # noqa: E731
-    w_spec = rules.spec("moe expert weights", ("exp", "embed", "mlp"), w_shape, sized)
+    w_spec = rules.partition_spec("moe expert weights", ("exp", "embed", "mlp"), w_shape, sized)
     exp_axes, mlp_axes = big(w_spec[0]), big(w_spec[2])
-    tok_spec = rules.spec("moe tokens", ("batch", "length", "embed"), x_shape, sized)
+    tok_spec = rules.partition_spec("moe tokens", ("batch", "length", "embed"), x_shape, sized)
     tok_axes = big(tok_spec[0]) + big(tok_spec[1])
     clash = [a for a in mlp_axes if a in tok_axes]
     if clash:

@@ -235,8 +235,8 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Option
     if active is None:
         return reference.attention(q, k, v, segment_ids, segment_ids, causal=causal)
     rules, mesh = active
-    q_spec = rules.spec("ring attention q", ("batch", "length", "heads", "kv"), q.shape, mesh)
-    kv_spec = rules.spec("ring attention k/v", ("batch", "length", "kv_heads", "kv"), k.shape, mesh)
+    q_spec = rules.partition_spec("ring attention q", ("batch", "length", "heads", "kv"), q.shape, mesh)
+    kv_spec = rules.partition_spec("ring attention k/v", ("batch", "length", "kv_heads", "kv"), k.shape, mesh)
     axis = q_spec[1]
     if axis is None:
         return reference.attention(q, k, v, segment_ids, segment_ids, causal=causal)

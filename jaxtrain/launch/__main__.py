@@ -1,4 +1,4 @@
-"""``python -m jaxtrain.launch gke|vertex|slurm --config FILE [key=value ...] [flags]``."""
+"""``python -m jaxtrain.launch gke|vertex|slurm|ray|kubeflow|volcano --config FILE [key=value ...] [flags]``."""
 import sys
 
 from jaxtrain.launch.common import main

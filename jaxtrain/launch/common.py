@@ -1,10 +1,10 @@
-"""What the three launch targets share: the command line, config validation, the training command.
+"""What the launch targets share: the command line, config validation, the training command.
 
 ``python -m jaxtrain.launch TARGET --config FILE [key=value ...] [flags]``: the target's module
-(``gke``, ``vertex``, ``slurm``) adds its own flags and turns a :class:`Job` into a spec
-(``build``), prints it (``render``, for ``--dry-run``) or submits it (``submit``). The config is
-loaded and validated here first, so a bad key is ``error: <key>: ...`` (exit 2) before anything
-is generated or sent.
+(``gke``, ``vertex``, ``slurm``, ``ray``, ``kubeflow``, ``volcano``) adds its own flags and turns a
+:class:`Job` into a spec (``build``), prints it (``render``, for ``--dry-run``) or submits it
+(``submit``). The config is loaded and validated here first, so a bad key is ``error: <key>: ...``
+(exit 2) before anything is generated or sent.
 """
 from __future__ import annotations
 
@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from jaxtrain.errors import LaunchError
-from jaxtrain.runtime.job import LAUNCHER_VARS
+from jaxtrain.runtime.job import is_shape_variable
 
-TARGETS = {"gke": "GKE JobSet", "vertex": "Vertex AI CustomJob", "slurm": "SLURM sbatch script"}
+TARGETS = {"gke": "GKE JobSet", "vertex": "Vertex AI CustomJob", "slurm": "SLURM sbatch script",
+           "ray": "Ray Train run", "kubeflow": "Kubeflow TrainJob", "volcano": "Volcano Job"}
+POD_TARGETS = ("gke", "vertex", "kubeflow", "volcano")  # each node a pod or VM with its own disk
 INSTALL_HINT = "pip install 'jaxtrain[launch]'"
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -85,7 +87,8 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--container-config", metavar="PATH",
                         help="the config file's path as the job sees it (default: --config as given)")
     parser.add_argument("--nodes", type=positive_int, default=1,
-                        help="hosts (GKE pods, Vertex replicas, SLURM nodes) (default: 1)")
+                        help="hosts (GKE pods, Vertex replicas, SLURM nodes, Ray workers, TrainJob nodes, Volcano "
+                             "pods) (default: 1)")
     parser.add_argument("--name", help="job name (default: jaxtrain-<config file stem>)")
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                         help="an environment variable for every process (repeatable)")
@@ -119,18 +122,15 @@ def parse_env(items: Sequence[str]) -> dict[str, str]:
     return env
 
 
-RESERVED_ENV = LAUNCHER_VARS  # the job's shape: what the launchers and the platforms set (jaxtrain.runtime.job)
-
-
 def check_job(job: Job, processes: int) -> None:
-    """Refuses what would break the job once it runs: the launcher's own variables given by hand,
-    ``distributed.*`` values that contradict the job, and (GKE, Vertex) a multi-host job whose
+    """Refuses what would break the job once it runs: the job-shape variables given by hand,
+    ``distributed.*`` values that contradict the job, and (pods, VMs) a multi-host job whose
     checkpoints would be on each pod's own disk (every save would wait for ever for the others' parts).
 
     Raises:
       LaunchError: naming the flag or key.
     """
-    for key in sorted(set(job.env) & set(RESERVED_ENV)):
+    for key in sorted(k for k in job.env if is_shape_variable(k)):  # the job's shape (jaxtrain.runtime.job)
         raise LaunchError(f"--env: {key} is set for each process by the launcher or the platform; leave it out")
     d = job.cfg.distributed
     for key in ("coordinator_address", "num_processes", "process_id"):
@@ -140,7 +140,7 @@ def check_job(job: Job, processes: int) -> None:
         raise LaunchError(f"distributed.mode: 'off' would make each of the {processes} processes train alone; "
                           f"use auto")
     local = job.local_checkpoints()
-    if job.target in ("gke", "vertex") and job.nodes > 1 and local is not None:
+    if job.target in POD_TARGETS and job.nodes > 1 and local is not None:
         raise LaunchError(f"checkpoint.dir: '{local}' is on each node's own disk, but the {job.nodes} nodes write "
                           f"one checkpoint together; set checkpoint.dir=gs://BUCKET/PATH (or s3://)")
 
@@ -151,12 +151,12 @@ def default_name(config: str) -> str:
     return f"jaxtrain-{stem}"[:40].rstrip("-")
 
 
-def require(module: str, target: str, package: str) -> Any:
+def require(module: str, target: str, package: str, hint: str = INSTALL_HINT) -> Any:
     """Imports ``module`` of the client library ``package``, or raises LaunchError saying how to install it."""
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise LaunchError(f"the {target} launcher needs '{package}', which is not installed: {INSTALL_HINT}") from None
+        raise LaunchError(f"the {target} launcher needs '{package}', which is not installed: {hint}") from None
 
 
 def connection_reason(err: BaseException) -> str:

@@ -33,13 +33,13 @@ def constrain(x: jax.Array, *logical: Optional[str]) -> jax.Array:
     """Sharding constraint by logical names, e.g. ``constrain(h, 'batch', 'length', 'embed')``.
 
     A no-op when no :func:`activation_sharding` context is active (plain
-    single-device use of the model). Raises ShardingError like :meth:`Rules.spec`.
+    single-device use of the model). Raises ShardingError like :meth:`Rules.partition_spec`.
     """
     active = _ACTIVE.get()
     if active is None:
         return x
     rules, mesh = active
-    spec = rules.spec(f"activation{logical}", logical, x.shape, mesh)
+    spec = rules.partition_spec(f"activation{logical}", logical, x.shape, mesh)
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
@@ -58,6 +58,6 @@ def devices_along(shape: Sequence[int], logical: Sequence[Optional[str]], dim: i
     if active is None:
         return 1
     rules, mesh = active
-    axes = rules.spec(f"activation{tuple(logical)}", logical, shape, mesh)[dim]
+    axes = rules.partition_spec(f"activation{tuple(logical)}", logical, shape, mesh)[dim]
     axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
     return math.prod(mesh.shape[a] for a in axes)

@@ -37,19 +37,50 @@ def resolve_sizes(mesh_cfg: MeshConfig, n_devices: int) -> dict[str, int]:
 def build_mesh(mesh_cfg: MeshConfig, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
     """A ``jax.sharding.Mesh`` over ``devices`` (default: all) with Auto axis types.
 
-    Auto (GSPMD-style) axes let sharding constraints propagate rather than
-    assert, which is what the logical-rule approach relies on.
+    Auto (GSPMD-style) axes let sharding constraints propagate rather than assert, which is what
+    the logical-rule approach relies on. The grid is laid out with ``stage`` outermost (pipeline
+    stages exchange one activation per microbatch: the axis that talks least), then the axes in
+    order, ``expert`` innermost. With ``mesh.across_nodes`` it is a hybrid mesh: each axis split
+    into a part across nodes (processes, or TPU slices) and a part within one
+    (``create_hybrid_device_mesh``), so an axis kept within a node never crosses the slow network.
+
+    Raises:
+      ConfigError: ``mesh.across_nodes`` does not fit the axis sizes or the number of nodes.
     """
     devices = list(devices) if devices is not None else jax.devices()
     sizes = resolve_sizes(mesh_cfg, len(devices))
-    shape = tuple(sizes[a] for a in MESH_AXES)
-    try:
-        grid = mesh_utils.create_device_mesh(shape, devices=devices)
-    except Exception:  # non-TPU topologies without a physical layout: plain order
-        grid = np.asarray(devices).reshape(shape)
+    order = ("stage", *[a for a in MESH_AXES if a != "stage"])
+    if mesh_cfg.across_nodes:
+        grid = _hybrid_grid(sizes, dict(mesh_cfg.across_nodes), devices, order)
+    else:
+        shape = tuple(sizes[a] for a in order)
+        try:
+            grid = mesh_utils.create_device_mesh(shape, devices=devices)
+        except Exception:  # non-TPU topologies without a physical layout: plain order
+            grid = np.asarray(devices).reshape(shape)
+    grid = np.transpose(grid, [order.index(a) for a in MESH_AXES])
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
+def _hybrid_grid(sizes: dict[str, int], across: dict[str, int], devices: list, order: tuple) -> np.ndarray:
+    """The device grid (axes in ``order``) of a hybrid mesh: ``across[a]`` nodes along axis a."""
+    nodes = len({getattr(d, "slice_index", None) if getattr(d, "slice_index", None) is not None
+                 else d.process_index for d in devices})
+    for axis, n in across.items():
+        if sizes[axis] % n:
+            raise ConfigError(f"mesh.across_nodes.{axis}: mesh.{axis}={sizes[axis]} does not split over {n} nodes")
+    if math.prod(across.values()) != nodes:
+        raise ConfigError(f"mesh.across_nodes: {across} spans {math.prod(across.values())} nodes, but the job "
+                          f"has {nodes} (processes or slices); the axes across nodes must multiply to that")
+    within = tuple(sizes[a] // across.get(a, 1) for a in order)
+    between = tuple(across.get(a, 1) for a in order)
+    by_slice = any(getattr(d, "slice_index", None) is not None for d in devices)
+    return mesh_utils.create_hybrid_device_mesh(within, between, devices=devices, process_is_granule=not by_slice)
+
+
 def describe(mesh: Mesh) -> str:
+    """``data=2 fsdp=2 tensor=2 sequence=1 expert=1 (8 devices)``: every axis, and ``stage`` when the
+    run pipelines (``stage=1`` is no pipeline, so it is left out)."""
     n = mesh.devices.size
-    return " ".join(f"{a}={mesh.shape[a]}" for a in MESH_AXES) + f" ({n} device{'s' if n > 1 else ''})"
+    axes = [a for a in MESH_AXES if a != "stage" or mesh.shape[a] > 1]
+    return " ".join(f"{a}={mesh.shape[a]}" for a in axes) + f" ({n} device{'s' if n > 1 else ''})"

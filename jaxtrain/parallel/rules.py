@@ -115,7 +115,7 @@ class Rules:
         return {a for t in tables for name, cands in t.items() if name != "batch"
                 for c in cands if c for a in c}
 
-    def spec(self, what: str, logical: Sequence[Optional[str]], shape: Sequence[int],
+    def partition_spec(self, what: str, logical: Sequence[Optional[str]], shape: Sequence[int],
              mesh: Mesh) -> P:
         """PartitionSpec for one array.
 
@@ -234,6 +234,6 @@ def tree_shardings(rules: Rules, mesh: Mesh, shapes: Any, logical: Any) -> Any:
     flat_shapes, treedef = jax.tree_util.tree_flatten_with_path(shapes)
     if len(flat_logical) != len(flat_shapes):
         raise ShardingError(f"{len(flat_logical)} logical annotations for {len(flat_shapes)} arrays")
-    out = [NamedSharding(mesh, rules.spec(path_str(path), names, leaf.shape, mesh))
+    out = [NamedSharding(mesh, rules.partition_spec(path_str(path), names, leaf.shape, mesh))
            for (path, leaf), names in zip(flat_shapes, flat_logical)]
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shapes), out)

@@ -43,7 +43,7 @@ class Setup:
     devices: list
     mesh: Mesh
     rules: Rules
-    spec: ModelSpec
+    model_spec: ModelSpec
     fns: step.StepFunctions
     data: Any = None  # the data source (jaxtrain.data.Data, ArrayData, ...), when loaded or given
     family: Optional[Family] = None  # the registered family (None for a ModelSpec given in Python)
@@ -55,8 +55,8 @@ class Setup:
 
     def abstract_batch(self) -> dict:
         """One training batch as ShapeDtypeStructs: ``{field: [grad_accum, micro_batch, ...]}``."""
-        if self.spec.example is not None:
-            example = self.spec.example
+        if self.model_spec.example is not None:
+            example = self.model_spec.example
         else:
             example = {k: jax.ShapeDtypeStruct(v.shape[2:], v.dtype) for k, v in self.data.val.items()}
         lead = (self.cfg.train.grad_accum, self.cfg.micro_batch)
@@ -75,13 +75,13 @@ class Setup:
         return self.fns.train_step.lower(state, self.abstract_batch()).compile(), state
 
 
-def setup(cfg: Config, devices: Optional[Sequence[jax.Device]] = None, *, spec: Optional[ModelSpec] = None,
+def setup(cfg: Config, devices: Optional[Sequence[jax.Device]] = None, *, model_spec: Optional[ModelSpec] = None,
           data: Any = None, load_data: bool = False, vocab: Optional[int] = None,
           run_dir: Optional[Path] = None) -> Setup:
     """Validates ``cfg`` on ``devices`` (default: all) and builds the run, in the order of the module docstring.
 
     Args:
-      spec: the model to train; None builds ``model.family`` from the registry.
+      model_spec: the model to train; None builds ``model.family`` from the registry.
       data: a data source; with ``load_data`` and none given, ``cfg.data`` is loaded (a
         tokenizer saved in ``run_dir`` must match the one the data builds).
       vocab: the vocabulary when ``model.vocab_size`` is 0 and no data is loaded (else the
@@ -96,10 +96,10 @@ def setup(cfg: Config, devices: Optional[Sequence[jax.Device]] = None, *, spec: 
     sinks.check(cfg)
     rules = Rules.from_config(cfg.sharding)
     check_mesh_used(rules, sizes)
-    if spec is not None and cfg.model.family != "custom":
+    if model_spec is not None and cfg.model.family != "custom":
         raise ConfigError(f"model.family: a ModelSpec given in Python is a custom model; set model.family: custom "
                           f"(its own settings go under model.options), not '{cfg.model.family}'")
-    family = lm.family_of(cfg) if spec is None else None
+    family = lm.family_of(cfg) if model_spec is None else None
     if family is not None:
         rules.check_names(family.logical_axes, f"model family '{family.name}'")
     if data is None and load_data:
@@ -111,9 +111,9 @@ def setup(cfg: Config, devices: Optional[Sequence[jax.Device]] = None, *, spec: 
         if tokenizer is None and not vocab:
             vocab = vocab_for(cfg)
         model_cfg = lm.model_config(cfg, lm.resolve_vocab(cfg, vocab, tokenizer and tokenizer.vocab_size))
-        spec = lm.spec(cfg, family, model_cfg)
+        model_spec = lm.model_spec(cfg, family, model_cfg)
     mesh = build_mesh(cfg.mesh, devices)
-    s = Setup(cfg, devices, mesh, rules, spec, step.build(cfg, mesh, rules, spec), data, family, model_cfg)
+    s = Setup(cfg, devices, mesh, rules, model_spec, step.build(cfg, mesh, rules, model_spec), data, family, model_cfg)
     if family is None and data is not None:  # a model given in Python: its loss is checked before any run
         s.check_loss()
     return s

@@ -182,12 +182,13 @@ class LogMetrics(Hook):
     def after_step(self, loop: TrainLoop, rec: StepRecord) -> dict:
         m = jax.device_get(rec.metrics)
         now, paused = time.perf_counter(), sum(loop.paused.values())
-        spec, t, n = loop.setup.spec, loop.cfg.train, rec.step - self.s_last
+        model_spec, t, n = loop.setup.model_spec, loop.cfg.train, rec.step - self.s_last
         dt = (now - self.t_last - (paused - self.paused)) / n
-        rate = t.global_batch * spec.units_per_example / dt
+        rate = t.global_batch * model_spec.units_per_example / dt
         uncounted = int(m["nonfinite"]) if rec.skipped.through < rec.step else 0  # read one step late
         row = {"loss": float(m.pop("loss")), "lr": float(m.pop("lr")), "grad_norm": float(m.pop("grad_norm")),
-               f"{spec.unit}_per_sec": rate, "step_time_s": dt, "mfu": flops.mfu(rate, spec.flops_per_unit, self.peak),
+               f"{model_spec.unit}_per_sec": rate, "step_time_s": dt,
+               "mfu": flops.mfu(rate, model_spec.flops_per_unit, self.peak),
                "nonfinite_steps": rec.skipped.total + uncounted, "data_wait_s": (loop.data_wait_s - self.waited) / n,
                "checkpoint_block_s": loop.paused.get("checkpoint", 0.0) - self.blocked}
         if self.first:
@@ -279,7 +280,7 @@ class Progress(Hook):
         self._bar.__enter__()
 
     def after_step(self, loop: TrainLoop, rec: StepRecord) -> None:
-        unit, row, stats = loop.setup.spec.unit, rec.row, None
+        unit, row, stats = loop.setup.model_spec.unit, rec.row, None
         if row is not None:
             mfu = f" | MFU {100 * row['mfu']:.1f}%" if row.get("mfu") is not None else ""
             stats = f"loss {row['loss']:.4f} | {row[f'{unit}_per_sec']:,.0f} {unit}/s{mfu}"

@@ -51,11 +51,18 @@ def resolve_vocab(cfg: Config, vocab: Optional[int], tokenizer_vocab: Optional[i
 
 
 def model_config(cfg: Config, vocab: int):
-    """``cfg.model`` with ``vocab_size`` set to ``vocab`` (what the family's module is built from)."""
-    return cfg.model.model_copy(update={"vocab_size": vocab})
+    """``cfg.model`` with ``vocab_size`` set to ``vocab`` (what the family's module is built from).
+
+    With ``mesh.stage > 1`` the layers are stacked (``scan_layers`` implied): the pipeline splits the
+    stacked layers over the stages. Checkpoints do not depend on it (``jaxtrain.checkpoint.layouts``).
+    """
+    update = {"vocab_size": vocab}
+    if cfg.mesh.stage > 1 and getattr(cfg.model, "scan_layers", None) is False:
+        update["scan_layers"] = True
+    return cfg.model.model_copy(update=update)
 
 
-def spec(cfg: Config, family: Family, mcfg) -> ModelSpec:
+def model_spec(cfg: Config, family: Family, mcfg) -> ModelSpec:
     """The ModelSpec of ``mcfg`` (``cfg.model`` with its vocabulary resolved)."""
     seq_len = cfg.data.seq_len
     fields = ("inputs", "targets", "loss_mask") + (() if cfg.data.mode == "windows" else ("positions", "segment_ids"))

@@ -2,7 +2,7 @@
 
 ``jaxtrain.fit(cfg, spec, data)`` trains a ModelSpec with the same mesh, rules,
 checkpoints, preemption, metrics and resume as the language models; the registered
-families become one through :func:`jaxtrain.train.lm.spec`.
+families become one through :func:`jaxtrain.train.lm.model_spec`.
 """
 from __future__ import annotations
 

@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtrain.config import Config
 from jaxtrain.errors import ConfigError, ShardingError
 from jaxtrain.parallel.activations import activation_sharding
+from jaxtrain.parallel.pipeline import pipelined, schedule_of
 from jaxtrain.parallel.rules import Rules, path_str, tree_shardings
 from jaxtrain.train.model_spec import ModelSpec
 from jaxtrain.train.optimizer import applied_count, hyperparameters, learning_rate, optimizer
@@ -114,29 +115,30 @@ def check_loss_output(name: str, loss: Any, aux: Any) -> None:
         raise ConfigError(f"model '{name}': the loss's metrics must be scalars, got shapes {shaped}")
 
 
-def _split(spec: ModelSpec):
+def _split(model_spec: ModelSpec):
     """(graphdef, abstract params, their logical axes); named errors for what cannot be trained."""
-    model = nnx.eval_shape(lambda: spec.make(nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: model_spec.make(nnx.Rngs(0)))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     other = [path_str(p) for p, _ in nnx.to_flat_state(rest)]
     if other:
-        raise ShardingError(f"model '{spec.name}': state that is not an nnx.Param cannot be trained here "
+        raise ShardingError(f"model '{model_spec.name}': state that is not an nnx.Param cannot be trained here "
                             f"({', '.join(other[:5])}{', ...' if len(other) > 5 else ''})")
 
     missing = [f"{path_str(p)} {tuple(v.get_value().shape)}" for p, v in nnx.to_flat_state(params)
                if v.get_metadata().get("axes") is None]
     if missing:
-        raise ShardingError(f"model '{spec.name}': parameter(s) without logical axis names: {', '.join(missing)}; "
-                            f"create them as nnx.Param(value, axes=(...)), one name per dimension")
+        raise ShardingError(f"model '{model_spec.name}': parameter(s) without logical axis names: "
+                            f"{', '.join(missing)}; create them as nnx.Param(value, axes=(...)), one name per "
+                            f"dimension")
     return graphdef, params, param_tree(params, lambda v: tuple(v.get_metadata()["axes"]))
 
 
-def build(cfg: Config, mesh: Mesh, rules: Rules, spec: ModelSpec) -> StepFunctions:
+def build(cfg: Config, mesh: Mesh, rules: Rules, model_spec: ModelSpec) -> StepFunctions:
     """Resolves every sharding (raising ShardingError before any compile) and jits the functions."""
-    graphdef, abstract_params, axes = _split(spec)
+    graphdef, abstract_params, axes = _split(model_spec)
     leaves = jax.tree_util.tree_leaves(axes, is_leaf=lambda x: isinstance(x, tuple))
-    rules.check_names(dict.fromkeys([n for a in leaves for n in a if n] + list(spec.logical_axes)),
-                      f"model '{spec.name}'")
+    rules.check_names(dict.fromkeys([n for a in leaves for n in a if n] + list(model_spec.logical_axes)),
+                      f"model '{model_spec.name}'")
     shapes = param_tree(abstract_params, lambda v: v.get_value())
     param_sh = tree_shardings(rules, mesh, shapes, axes)
     model_dtypes = param_tree(abstract_params, lambda v: v.get_value().dtype)
@@ -145,14 +147,15 @@ def build(cfg: Config, mesh: Mesh, rules: Rules, spec: ModelSpec) -> StepFunctio
     low_precision = [path_str(p) for p, dt in jax.tree_util.tree_flatten_with_path(model_dtypes)[0]
                      if _low(dt) and not master]
     h0 = hyperparameters(cfg)
+    schedule = schedule_of(cfg, mesh.shape["stage"])  # one stage: no pipeline
     tx = optimizer(h0, axes)  # for the state's structure and init; the step builds it from traced values
     replicated = NamedSharding(mesh, P())
-    micro_spec = rules.spec("batch", ("batch",), (cfg.micro_batch,), mesh)  # the batch dim of every field
+    micro_spec = rules.partition_spec("batch", ("batch",), (cfg.micro_batch,), mesh)  # the batch dim of every field
     batch_sh = NamedSharding(mesh, P(None, *micro_spec))
     eval_sh = NamedSharding(mesh, micro_spec)
 
     def make_params(key):
-        model = spec.make(nnx.Rngs(params=key, default=jax.random.fold_in(key, 2)))
+        model = model_spec.make(nnx.Rngs(params=key, default=jax.random.fold_in(key, 2)))
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         return jax.tree_util.tree_map(lambda x, dt: x.astype(dt), params, stored)  # float32 masters
 
@@ -176,8 +179,8 @@ def build(cfg: Config, mesh: Mesh, rules: Rules, spec: ModelSpec) -> StepFunctio
         return nnx.merge(graphdef, state)
 
     def loss_of(params, micro_batch):
-        loss, aux = spec.loss(model_of(params), micro_batch)
-        check_loss_output(spec.name, loss, aux)  # at trace time: shapes and names are static
+        loss, aux = model_spec.loss(model_of(params), micro_batch)
+        check_loss_output(model_spec.name, loss, aux)  # at trace time: shapes and names are static
         return loss, dict(aux)
 
     grad_fn = jax.value_and_grad(loss_of, has_aux=True)
@@ -203,7 +206,7 @@ def build(cfg: Config, mesh: Mesh, rules: Rules, spec: ModelSpec) -> StepFunctio
 
     def step_fn(state, batch, h):
         count = applied_count(state["opt_state"])  # updates applied so far: a skipped step is not one
-        with activation_sharding(rules, mesh):
+        with activation_sharding(rules, mesh), pipelined(schedule):
             loss, aux, grads = gradients(state["params"], batch)
             grads = jax.tree_util.tree_map(lambda g, p: g.astype(p.dtype), grads, state["params"])
             grads = jax.lax.with_sharding_constraint(grads, param_sh)
@@ -229,10 +232,10 @@ def build(cfg: Config, mesh: Mesh, rules: Rules, spec: ModelSpec) -> StepFunctio
         return new_state, metrics
 
     def eval_fn(params, batch):
-        with activation_sharding(rules, mesh):
+        with activation_sharding(rules, mesh), pipelined(schedule):
             loss, aux = loss_of(params, batch)
-        if spec.eval_loss is not None:  # e.g. a MoE's cross-entropy; the router losses keep their columns
-            loss = aux.pop(spec.eval_loss)
+        if model_spec.eval_loss is not None:  # e.g. a MoE's cross-entropy; the router losses keep their columns
+            loss = aux.pop(model_spec.eval_loss)
         aux.setdefault("weight", jnp.ones((), jnp.float32))
         return {"loss": loss, **aux}
 
@@ -246,7 +249,7 @@ def build(cfg: Config, mesh: Mesh, rules: Rules, spec: ModelSpec) -> StepFunctio
         return model_of(params)(inputs)
 
     def grads_fn(params, batch):
-        with activation_sharding(rules, mesh):
+        with activation_sharding(rules, mesh), pipelined(schedule):
             loss, aux, grads = gradients(params, batch)
         return loss, aux, jax.lax.with_sharding_constraint(grads, param_sh)
 

@@ -24,23 +24,23 @@ from jaxtrain.parallel import host_data
 from jaxtrain.parallel.mesh import describe
 from jaxtrain.runtime import heartbeat, host_memory, signals
 from jaxtrain.runtime.watchdog import Watchdog
+from jaxtrain.train import elastic, rundir
 from jaxtrain.train import hooks as H
-from jaxtrain.train import rundir
 from jaxtrain.train.assembly import Setup, setup
 from jaxtrain.train.loop import Hook, RunResult, TrainLoop
 from jaxtrain.train.model_spec import ModelSpec
 from jaxtrain.train.step import count_params
 
 
-def fit(cfg: Config, spec: Optional[ModelSpec] = None, data: Any = None, *,
+def fit(cfg: Config, model_spec: Optional[ModelSpec] = None, data: Any = None, *,
         devices: Optional[Sequence[jax.Device]] = None, quiet: bool = False, hooks: Sequence[Hook] = ()) -> RunResult:
     """Trains ``cfg`` on ``devices`` (default: all) and returns what happened.
 
     Args:
       cfg: the run config (mesh, rules, optimizer, train, checkpoint, run, metrics, ...).
-      spec: any Flax NNX model and its loss (``model.family: custom``); None trains the
+      model_spec: any Flax NNX model and its loss (``model.family: custom``); None trains the
         config's registered family on ``cfg.data``.
-      data: the data source of ``spec``: an object with ``iterator(sharding)``, ``val``,
+      data: the data source of ``model_spec``: an object with ``iterator(sharding)``, ``val``,
         ``info`` and ``tokenizer`` (e.g. :class:`jaxtrain.data.ArrayData`).
       quiet: no progress bar (lines are still printed).
       hooks: extra loop hooks, run after the built-in ones.
@@ -50,14 +50,16 @@ def fit(cfg: Config, spec: Optional[ModelSpec] = None, data: Any = None, *,
         compiled or written. NonFiniteError: the run diverged (too many non-finite steps in a
         row, every step skipped, or a non-finite validation loss); the last good checkpoint is kept.
     """
-    if spec is not None and data is None:
+    if model_spec is not None and data is None:
         raise ValueError("fit: a ModelSpec needs its data source (e.g. jaxtrain.data.ArrayData)")
     primary = heartbeat.is_primary()
     if cfg.run.reuse_host_memory:
         host_memory.reuse_freed_memory()
     out = Reporter(quiet=quiet or not cfg.run.progress, total=cfg.train.steps, silent=not primary)
+    cfg = elastic.adapt(cfg, devices, out)  # resumed on other devices: the same batches (distributed.elastic)
     with out.status("checking the config, loading the data"):
-        s = setup(cfg, devices, spec=spec, data=data, load_data=True, run_dir=Path(cfg.run.dir).expanduser())
+        s = setup(cfg, devices, model_spec=model_spec, data=data, load_data=True,
+                  run_dir=Path(cfg.run.dir).expanduser())
     signals.check_startup()  # a signal while the data loaded (the command line's start-up only)
     with rundir.opened(cfg, lock=primary) as run_dir:
         return _fit(s, run_dir, out, hooks)
@@ -70,7 +72,7 @@ def _fit(s: Setup, run_dir: Path, out: Reporter, extra: Sequence[Hook]) -> RunRe
         tokenizers.save(data.tokenizer, run_dir)
     for line in data.info:
         out.info(line)
-    sinks = Sinks(cfg, run_dir, out, s.spec.unit, primary=primary)
+    sinks = Sinks(cfg, run_dir, out, s.model_spec.unit, primary=primary)
     result = RunResult(run_dir=run_dir)
     loop: Optional[TrainLoop] = None
 
@@ -223,11 +225,11 @@ def _check_no_clash(ckpt: Checkpointer, start: int, steps: int) -> None:
 
 def describe_run(s: Setup, state: dict, peak: Optional[float], peak_src: str) -> str:
     """One line: mesh, rules, model, parameters, (vocabulary,) FLOPs per unit and the peak."""
-    spec = s.spec
-    parts = [f"mesh {describe(s.mesh)}", f"rules {s.rules.name}", f"model {spec.name}",
+    model_spec = s.model_spec
+    parts = [f"mesh {describe(s.mesh)}", f"rules {s.rules.name}", f"model {model_spec.name}",
              f"params {count_params(state['params']) / 1e6:.2f}M"]
     if getattr(s.model_config, "vocab_size", None):
         parts.append(f"vocab {s.model_config.vocab_size}")
-    if spec.flops_per_unit:
-        parts.append(f"{spec.flops_per_unit / 1e6:.1f} MFLOP/{spec.unit.rstrip('s')}")
+    if model_spec.flops_per_unit:
+        parts.append(f"{model_spec.flops_per_unit / 1e6:.1f} MFLOP/{model_spec.unit.rstrip('s')}")
     return " | ".join(parts + [f"peak {format_flops(peak)} ({peak_src})"])

@@ -67,6 +67,7 @@ class LlamaConfig(ModelConfig):
     # Only recorded and exported: it changes no computation.
     max_positions: Optional[int] = None
 
+    pipelines: ClassVar[bool] = True  # built on the shared decoder: mesh.stage > 1 splits its layers
     layout_keys: ClassVar[tuple[str, ...]] = (
         "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "tie_embeddings", "param_dtype",
         "scan_layers")
@@ -111,3 +112,17 @@ class LlamaConfig(ModelConfig):
         for key in ("n_heads", "n_kv_heads"):
             if getattr(self, key) % tp:
                 raise ConfigError(f"model.{key}: {getattr(self, key)} is not divisible by mesh.tensor={tp}")
+        self._check_stages(cfg, axis_sizes.get("stage", 1))
+
+    def _check_stages(self, cfg, stages: int) -> None:
+        """The layers split evenly into the pipeline's stages (and the circular schedule's chunks)."""
+        if stages == 1:
+            return
+        chunks = stages * cfg.pipeline.repeats
+        if self.n_layers % chunks:
+            near = sorted({(self.n_layers // chunks) * chunks, (self.n_layers // chunks + 1) * chunks} - {0})
+            whole = [d for d in range(2, self.n_layers + 1) if self.n_layers % (d * cfg.pipeline.repeats) == 0]
+            what = f"mesh.stage={stages}" + (f" x pipeline.repeats={cfg.pipeline.repeats}"
+                                             if cfg.pipeline.repeats > 1 else "")
+            raise ConfigError(f"model.n_layers: {self.n_layers} layers do not split evenly over {what} = {chunks} "
+                              f"chunks; use n_layers in {near}, or mesh.stage in {whole or 'none'}")

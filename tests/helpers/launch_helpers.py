@@ -101,3 +101,37 @@ class StubServer:
         self.server.shutdown()
         self.server.server_close()
         self._thread.join(timeout=5)
+
+
+def strict_schema(schema):
+    """The schema with unknown fields refused (what the API server's fieldValidation=Strict does): every
+    object schema with listed properties and no ``x-kubernetes-preserve-unknown-fields`` gets
+    ``additionalProperties: false``."""
+    if isinstance(schema, dict):
+        schema = {k: strict_schema(v) for k, v in schema.items()}
+        if ("properties" in schema and "additionalProperties" not in schema
+                and not schema.get("x-kubernetes-preserve-unknown-fields")):
+            schema["additionalProperties"] = False
+        return schema
+    if isinstance(schema, list):
+        return [strict_schema(v) for v in schema]
+    return schema
+
+
+def crd_validators(file: str, group: str, plural: str, version: str):
+    """(plain, strict) JSON-schema validators of ``version`` of the upstream CRD ``shared/k8s/<file>``."""
+    import jsonschema
+    import pytest
+    import yaml
+    crd_path = SHARED / "k8s" / file
+    if not crd_path.is_file():
+        pytest.fail(f"CRD missing: {crd_path} (set JAXTRAIN_SHARED to the shared/ folder)")
+    crd = yaml.safe_load(crd_path.read_text())
+    assert crd["spec"]["group"] == group and crd["spec"]["names"]["plural"] == plural
+    (served,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
+    schema = served["schema"]["openAPIV3Schema"]
+    return jsonschema.Draft7Validator(schema), jsonschema.Draft7Validator(strict_schema(schema))
+
+
+def schema_errors(validator, manifest) -> list[str]:
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(manifest)]

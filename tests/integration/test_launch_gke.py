@@ -7,15 +7,16 @@ import copy
 
 import pytest
 import yaml
-from launch_helpers import CONFIG, SHARED, StubServer, launch, launch_cli
+from launch_helpers import CONFIG, SHARED, StubServer, crd_validators, launch, launch_cli, schema_errors
 
 jsonschema = pytest.importorskip("jsonschema")
 
 CRD = SHARED / "k8s" / "jobset.x-k8s.io_jobsets.yaml"
 NAME = "jaxtrain-shakespeare-char"
 COORDINATOR = f"{NAME}-workers-0-0.{NAME}:8476"
-PROCESS_ID_ENV = {"name": "JAXTRAIN_PROCESS_ID", "valueFrom": {"fieldRef": {
-    "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}}
+JOBSET_ENV = [{"name": f"JOBSET_{var}", "valueFrom": {"fieldRef": {
+    "fieldPath": f"metadata.annotations['jobset.sigs.k8s.io/{key}']"}}}
+    for var, key in (("JOB_GLOBAL_INDEX", "job-global-index"), ("GLOBAL_REPLICAS", "global-replicas"))]
 
 VARIANTS = {
     "gpu": ["--nodes", "2", "--accelerator", "nvidia-h100-80gb", "--accelerator-count", "8"],
@@ -24,35 +25,13 @@ VARIANTS = {
 }
 
 
-def _strict(schema):
-    """The schema with unknown fields refused (what the API server's fieldValidation=Strict does): every
-    object schema with listed properties and no ``x-kubernetes-preserve-unknown-fields`` gets
-    ``additionalProperties: false``."""
-    if isinstance(schema, dict):
-        schema = {k: _strict(v) for k, v in schema.items()}
-        if ("properties" in schema and "additionalProperties" not in schema
-                and not schema.get("x-kubernetes-preserve-unknown-fields")):
-            schema["additionalProperties"] = False
-        return schema
-    if isinstance(schema, list):
-        return [_strict(v) for v in schema]
-    return schema
-
-
 @pytest.fixture(scope="module")
 def validators():
     """(plain, strict) validators of the v1alpha2 JobSet schema from the upstream CRD."""
-    if not CRD.is_file():
-        pytest.fail(f"JobSet CRD missing: {CRD} (set JAXTRAIN_SHARED to the shared/ folder)")
-    crd = yaml.safe_load(CRD.read_text())
-    assert crd["spec"]["group"] == "jobset.x-k8s.io" and crd["spec"]["names"]["plural"] == "jobsets"
-    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1alpha2"]
-    schema = version["schema"]["openAPIV3Schema"]
-    return jsonschema.Draft7Validator(schema), jsonschema.Draft7Validator(_strict(schema))
+    return crd_validators(CRD.name, "jobset.x-k8s.io", "jobsets", "v1alpha2")
 
 
-def _errors(validator, manifest) -> list[str]:
-    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(manifest)]
+_errors = schema_errors
 
 
 def _dry_run(capsys, *args):
@@ -94,7 +73,8 @@ def test_manifest_is_a_valid_jobset(capsys, validators, variant):
     assert container["command"] + container["args"] == [
         "python", "-m", "jaxtrain.train", "--config", CONFIG, "train.steps=10", "checkpoint.dir=gs://bucket/ck"]
     assert container["env"] == [{"name": "JAXTRAIN_COORDINATOR_ADDRESS", "value": COORDINATOR},
-                                {"name": "JAXTRAIN_NUM_PROCESSES", "value": str(nodes)}, PROCESS_ID_ENV]
+                                {"name": "JAXTRAIN_NUM_PROCESSES", "value": str(nodes)}, *JOBSET_ENV,
+                                {"name": "JOBSET_PODS_PER_JOB", "value": str(nodes)}]
     assert container["ports"] == [{"name": "coordinator", "containerPort": 8476}]
     if variant == "gpu":
         assert pod["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}
@@ -145,11 +125,42 @@ def test_env_flag_and_overrides(capsys):
     (container,) = _pod(manifest)["containers"]
     assert container["env"] == [
         {"name": "JAXTRAIN_COORDINATOR_ADDRESS", "value": "shk-workers-0-0.shk:1234"},
-        {"name": "JAXTRAIN_NUM_PROCESSES", "value": "2"},
-        PROCESS_ID_ENV, {"name": "XLA_FLAGS", "value": "--xla_dump_to=/tmp/x"}]
+        {"name": "JAXTRAIN_NUM_PROCESSES", "value": "2"}, *JOBSET_ENV,
+        {"name": "JOBSET_PODS_PER_JOB", "value": "2"}, {"name": "XLA_FLAGS", "value": "--xla_dump_to=/tmp/x"}]
     assert container["args"] == ["--config", "/app/shk.yaml", "train.sample_prompt=to be", "checkpoint.dir=gs://b/ck"]
     assert manifest["metadata"]["namespace"] == "ml" and manifest["spec"]["failurePolicy"]["maxRestarts"] == 7
     assert _pod(manifest)["terminationGracePeriodSeconds"] == 60  # checkpoint.grace_period_s 30 + 30
+
+
+def _pod_env(container: dict, job_index: int, jobs: int, completion_index: int) -> dict:
+    """The environment one pod of the JobSet sees: the values, the annotations the JobSet controller
+    sets (resolved like the downward API), and the index Kubernetes sets in an Indexed Job's pods."""
+    annotations = {"jobset.sigs.k8s.io/job-global-index": str(job_index),
+                   "jobset.sigs.k8s.io/global-replicas": str(jobs)}
+    env = {"JOB_COMPLETION_INDEX": str(completion_index)}
+    for entry in container["env"]:
+        if "value" in entry:
+            env[entry["name"]] = entry["value"]
+        else:
+            path = entry["valueFrom"]["fieldRef"]["fieldPath"]
+            env[entry["name"]] = annotations[path.split("['")[1].rstrip("']")]
+    return env
+
+
+def test_every_pod_gets_its_own_process_id(capsys):
+    """Resolve each pod's environment as Kubernetes would and detect: ids 0..n-1, one coordinator, one
+    count; the same JobSet given 2 replicas (the count set to match) numbers its 6 pods 0..5, not [0, 1, 2] twice."""
+    from jaxtrain.config.schema import DistributedConfig
+    from jaxtrain.runtime.job import detect
+    manifest, _ = _dry_run(capsys, "--nodes", "3", "checkpoint.dir=gs://b/c")
+    (container,) = _pod(manifest)["containers"]
+    plans = [detect(DistributedConfig(), _pod_env(container, 0, 1, i)) for i in range(3)]
+    assert [(p.coordinator, p.num_processes, p.process_id) for p in plans] == [(COORDINATOR, 3, i) for i in range(3)]
+    for entry in container["env"]:
+        if entry["name"] == "JAXTRAIN_NUM_PROCESSES":
+            entry["value"] = "6"
+    ids = [detect(DistributedConfig(), _pod_env(container, j, 2, i)).process_id for j in (0, 1) for i in range(3)]
+    assert ids == [0, 1, 2, 3, 4, 5]
 
 
 def test_local_checkpoint_dir_is_noted_on_stderr(capsys):
@@ -222,7 +233,7 @@ def test_cli_dry_run_and_bad_input_exit_codes():
                            "(see python -m jaxtrain.launch gke --help)\n")
     done = launch_cli("kubernetes", "--config", CONFIG)
     assert (done.returncode, done.stderr) == (2, ("error: unknown target 'kubernetes' (choose one of: gke, vertex, "
-                                                  "slurm)\n"))
+                                                  "slurm, ray, kubeflow, volcano)\n"))
 
 
 def test_submit_posts_the_dry_run_manifest(capsys):

@@ -119,6 +119,31 @@ def test_srun_tasks_form_one_jax_run(slurm_cluster, tmp_path):  # noqa: F811
         "process 0 of 2 devices 4", "process 1 of 2 devices 4"]
 
 
+NO_SRUN = """\
+#!/bin/bash
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=2
+#SBATCH --output={out}
+export JAX_PLATFORMS=cpu
+{python} -m jaxtrain.train --config {config} train.steps=1
+"""
+
+
+def test_a_batch_script_without_srun_is_a_named_error(slurm_cluster, tmp_path):  # noqa: F811
+    """An allocation of 2 tasks whose script starts python itself (no job step): refused by name, exit 2,
+    instead of one process training alone."""
+    out = tmp_path / "no-srun.out"
+    done = slurm_cluster.run("sbatch", "--parsable", stdin=NO_SRUN.format(out=out, python=sys.executable,
+                                                                        config=CONFIG))
+    assert done.returncode == 0, done.stderr
+    job_id = done.stdout.strip().split(";")[0]
+    state = slurm_cluster.wait_job(job_id, timeout_s=60)
+    log = out.read_text() if out.exists() else ""
+    assert state == "FAILED", f"{state}\n{log}"
+    assert (f"error: SLURM_NTASKS: SLURM job {job_id} has 2 tasks on 1 nodes, but this process is not in a job step: "
+            f"started without srun, it would train alone.") in log, log
+
+
 def test_bad_partition_is_a_named_submit_error(slurm_cluster, capsys, monkeypatch):  # noqa: F811
     monkeypatch.setenv("SLURM_CONF", str(slurm_cluster.conf))
     code, out, err = launch(capsys, "slurm", "--config", CONFIG, "--partition", "nope")

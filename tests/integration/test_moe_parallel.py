@@ -24,7 +24,7 @@ REGEN = os.environ.get("JAXTRAIN_REGEN_GOLDEN") == "1"
 VOCAB = 256
 MOE = [*SMALL, "model.family=mixtral", "model.n_experts=8", "model.top_k=2", "model.d_ff=64",
        "sharding.rules=ep"]
-MESHES = {  # name: (data, fsdp, tensor, sequence, expert)
+MESHES = {  # name: (data, fsdp, tensor, sequence, expert, stage)
     "expert8": (1, 1, 1, 1, 8),
     "data2_expert4": (2, 1, 1, 1, 4),
     "fsdp2_tensor2_expert2": (1, 2, 2, 1, 2),
@@ -116,7 +116,7 @@ def test_expert_layouts_that_would_send_tokens_twice_or_mix_them_are_named_error
     from jaxtrain.parallel.rules import Rules
     rules = Rules.load("ep")
     rules.table["batch"] = batch_rule
-    mesh = jax.make_mesh((1, 1, 2, 1, 4), cfglib.MESH_AXES)
+    mesh = jax.make_mesh((1, 1, 2, 1, 4, 1), cfglib.MESH_AXES)
     x, idx = jnp.zeros((8, 4, 16)), jnp.zeros((8, 4, 2), jnp.int32)
     w, wd = jnp.zeros((8, 16, 32)), jnp.zeros((8, 32, 16))
     with activation_sharding(rules, mesh), pytest.raises(ShardingError) as e:

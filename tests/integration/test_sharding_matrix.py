@@ -26,7 +26,7 @@ STEPS = 5
 VOCAB = 256
 # 8 query heads, 4 KV heads (grouped-query attention): tensor=4 divides both.
 MODEL = [*SMALL, "model.n_heads=8", "model.n_kv_heads=4"]
-MATRIX = {  # rule set: mesh (data, fsdp, tensor, sequence, expert)
+MATRIX = {  # rule set: mesh (data, fsdp, tensor, sequence, expert, stage)
     "dp": (8, 1, 1, 1, 1),
     "fsdp": (1, 8, 1, 1, 1),
     "zero1": (8, 1, 1, 1, 1),

@@ -19,8 +19,8 @@ def test_formula_matches_xla_cost_analysis(corpus_path):
     s = setup(cfg, jax.devices()[:1], vocab=SHAKESPEARE_VOCAB)
     compiled, abstract = s.compile_abstract()
     xla = flops.xla_flops(compiled)
-    assert s.spec.flops_per_unit == llama_flops.flops_per_token(s.model_config, cfg.data.seq_len)
-    formula = s.spec.flops_per_unit * cfg.train.global_batch * cfg.data.seq_len
+    assert s.model_spec.flops_per_unit == llama_flops.flops_per_token(s.model_config, cfg.data.seq_len)
+    formula = s.model_spec.flops_per_unit * cfg.train.global_batch * cfg.data.seq_len
     assert xla is not None
     assert abs(xla / formula - 1) < 0.10, (xla, formula)
 
@@ -79,5 +79,5 @@ def test_gpu_benchmark_config_validates_and_lowers():
     s = setup(cfg, jax.devices()[:1])
     n = count_params(s.abstract_state()["params"])
     assert 1.0e9 < n < 1.2e9
-    assert s.spec.flops_per_unit == pytest.approx(7.04e9, rel=0.01)
+    assert s.model_spec.flops_per_unit == pytest.approx(7.04e9, rel=0.01)
     assert "while" in s.fns.train_step.lower(s.abstract_state(), s.abstract_batch()).as_text()  # the layer scan

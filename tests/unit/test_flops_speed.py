@@ -47,8 +47,8 @@ def test_scan_and_remat_match_the_plain_step(small_cfg):
         assert loss == pytest.approx(loss0, rel=1e-6), overrides
         jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6 * scale),
                                grads, expect_grads)
-        if scan:  # the stacked dim is the 'layers' logical name (replicated by fsdp_tp), the rest as before
-            assert s.fns.state_shardings["params"]["layers"]["attn"]["wq"].spec[0] is None
+        if scan:  # the stacked dim is the 'layers' logical name (on the size-1 'stage' axis), the rest as before
+            assert s.fns.state_shardings["params"]["layers"]["attn"]["wq"].spec[0] == "stage"
             assert grads["layers"]["attn"]["wq"].shape == (2, 64, 4, 16)
 
 

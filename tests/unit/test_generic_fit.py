@@ -36,18 +36,18 @@ def test_the_example_trains_from_its_config_to_97_percent(tmp_path, capsys):
 def test_eight_devices_equal_one_and_resume_is_exact(tmp_path):
     one_cfg = digits_cfg(tmp_path, "train.steps=6", "optimizer.warmup_steps=2", "mesh.data=1",
                          "checkpoint.enabled=false", run_dir="one")
-    one = fit(one_cfg, digits.spec(one_cfg), digits.data(one_cfg), devices=jax.devices()[:1], quiet=True)
+    one = fit(one_cfg, digits.model_spec(one_cfg), digits.data(one_cfg), devices=jax.devices()[:1], quiet=True)
     eight = ("mesh.data=1", "mesh.fsdp=8", "checkpoint.every=3")
     cfg = digits_cfg(tmp_path, "train.steps=6", "optimizer.warmup_steps=2", *eight, run_dir="eight")
-    full = fit(cfg, digits.spec(cfg), digits.data(cfg), quiet=True)
+    full = fit(cfg, digits.model_spec(cfg), digits.data(cfg), quiet=True)
     assert full.state["params"]["w1"].sharding.spec == jax.sharding.PartitionSpec("fsdp", None)
     np.testing.assert_allclose([full.losses[s] for s in range(1, 7)], [one.losses[s] for s in range(1, 7)],
                                rtol=1e-4)
     first = digits_cfg(tmp_path, "train.steps=3", "optimizer.warmup_steps=2", "optimizer.decay_steps=6", *eight,
                        run_dir="resumed")
-    fit(first, digits.spec(first), digits.data(first), quiet=True)
+    fit(first, digits.model_spec(first), digits.data(first), quiet=True)
     again = digits_cfg(tmp_path, "train.steps=6", "optimizer.warmup_steps=2", *eight, run_dir="resumed")
-    second = fit(again, digits.spec(again), digits.data(again), quiet=True)
+    second = fit(again, digits.model_spec(again), digits.data(again), quiet=True)
     assert second.start_step == 3
     assert [second.losses[s] for s in (4, 5, 6)] == [full.losses[s] for s in (4, 5, 6)]
 

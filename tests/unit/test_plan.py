@@ -55,11 +55,12 @@ def test_collectives_counted_from_hlo():
 
 def test_factorizations_and_candidates():
     assert plan.factorizations(8, 2) == [(1, 8), (2, 4), (4, 2), (8, 1)]
-    assert len(plan.factorizations(8)) == 35  # C(3+4, 4) ordered factorizations over five axes
-    cands = plan.enumerate_candidates(4, ["dp", "zero1", "tp"])
+    assert len(plan.factorizations(8)) == 56  # C(3+5, 5) ordered factorizations over six axes
+    cands = plan.enumerate_candidates(4, ["dp", "tp"])  # each over data and stage (and tp over tensor)
     assert [(c.rules, c.mesh_str) for c in cands] == [
-        ("dp", "4,1,1,1,1"), ("zero1", "4,1,1,1,1"),
-        ("tp", "1,1,4,1,1"), ("tp", "2,1,2,1,1"), ("tp", "4,1,1,1,1")]
+        ("dp", "1,1,1,1,1,4"), ("dp", "2,1,1,1,1,2"), ("dp", "4,1,1,1,1,1"),
+        ("tp", "1,1,1,1,1,4"), ("tp", "1,1,2,1,1,2"), ("tp", "1,1,4,1,1,1"), ("tp", "2,1,1,1,1,2"),
+        ("tp", "2,1,2,1,1,1"), ("tp", "4,1,1,1,1,1")]
 
 
 def test_parse_bytes():
@@ -79,10 +80,17 @@ def planned():
 
 def test_plan_compiles_dedupes_and_ranks(planned):
     by = {(c.rules, c.mesh_str): c for c in planned}
-    assert sorted(by) == [("dp", "2,1,1,1,1"), ("fsdp", "1,2,1,1,1"), ("fsdp", "2,1,1,1,1")]
-    assert by["fsdp", "2,1,1,1,1"].status == "duplicate"
-    assert by["fsdp", "2,1,1,1,1"].reason == "same shardings as dp 2,1,1,1,1"
-    dp, fsdp = by["dp", "2,1,1,1,1"], by["fsdp", "1,2,1,1,1"]
+    assert sorted(by) == [("dp", "1,1,1,1,1,2"), ("dp", "2,1,1,1,1,1"), ("fsdp", "1,1,1,1,1,2"),
+                          ("fsdp", "1,2,1,1,1,1"), ("fsdp", "2,1,1,1,1,1")]
+    assert by["fsdp", "2,1,1,1,1,1"].status == by["fsdp", "1,1,1,1,1,2"].status == "duplicate"
+    assert by["fsdp", "2,1,1,1,1,1"].reason == "same shardings as dp 2,1,1,1,1,1"
+    # Two pipeline stages, 2 microbatches (pipeline.microbatches 0: mesh.stage): bubble 1/3.
+    pp = by["dp", "1,1,1,1,1,2"]
+    assert pp.status == "compiled" and pp.bubble == pytest.approx(1 / 3)
+    assert pp.collectives["collective-permute"] > 0  # the activations pass from stage to stage
+    assert pp.memory.params < by["dp", "2,1,1,1,1,1"].memory.params  # the layers split over the stages
+    planned = [c for c in planned if c is not pp]  # the data-parallel vs FSDP ranking below
+    dp, fsdp = by["dp", "2,1,1,1,1,1"], by["fsdp", "1,2,1,1,1,1"]
     assert dp.status == fsdp.status == "compiled"
     assert fsdp.memory.params * 2 == dp.memory.params
     # DP all-reduces every gradient and gathers nothing; FSDP gathers the weights.
@@ -97,10 +105,11 @@ def test_plan_compiles_dedupes_and_ranks(planned):
     assert plan.rank(planned) == [dp, fsdp]
     dp.fits, fsdp.fits = False, True
     text = plan.table(planned, BUDGET).splitlines()
-    assert text[0].split() == ["#", "rules", "mesh", "d,f,t,s,e", "peak", "params", "optimizer", "all-gather",
-                               "reduce-scat", "all-reduce", "all-to-all", "coll-perm", "compile", "s"]
-    assert text[2].split()[:3] == ["1", "fsdp", "1,2,1,1,1"] and "OVER" not in text[2]
-    assert text[3].split()[:3] == ["2", "dp", "2,1,1,1,1"] and "OVER" in text[3]
+    assert text[0].split() == ["#", "rules", "mesh", "d,f,t,s,e,p", "peak", "params", "optimizer", "all-gather",
+                               "reduce-scat", "all-reduce", "all-to-all", "coll-perm", "bubble", "est.", "step",
+                               "compile", "s"]
+    assert text[2].split()[:3] == ["1", "fsdp", "1,2,1,1,1,1"] and "OVER" not in text[2]
+    assert text[3].split()[:3] == ["2", "dp", "2,1,1,1,1,1"] and "OVER" in text[3]
     assert text[4] == "OVER: peak above --device-memory 3.0 MiB"
 
 
@@ -108,10 +117,13 @@ def test_plan_rejects_with_the_named_error_before_compiling():
     cfg = cfglib.load(None, [*SMALL, "train.global_batch=3"])
     cands = plan.plan(cfg, 2, ["tp"], vocab=255)
     assert [(c.mesh_str, c.status, c.reason) for c in cands] == [
-        ("1,1,2,1,1", "rejected", "embed.embedding: dimension 0 ('vocab', size 255) is not divisible by mesh axis "
-                                  "tensor = 2 (set sharding.allow_fallback=true to replicate it)"),
-        ("2,1,1,1,1", "rejected", "train.global_batch: micro-batch 3 (global_batch 3 / grad_accum 1) is not "
-                                  "divisible by data*fsdp*expert = 2*1*1 = 2"),
+        ("1,1,1,1,1,2", "rejected", "pipeline.microbatches: the micro-batch of 3 sequences splits into 2 pipeline "
+                                    "microbatches of 1.5, which data*fsdp*expert = 1 must divide; use a micro-batch "
+                                    "that is a multiple of 2"),
+        ("1,1,2,1,1,1", "rejected", "embed.embedding: dimension 0 ('vocab', size 255) is not divisible by mesh axis "
+                                    "tensor = 2 (set sharding.allow_fallback=true to replicate it)"),
+        ("2,1,1,1,1,1", "rejected", "train.global_batch: micro-batch 3 (global_batch 3 / grad_accum 1) is not "
+                                    "divisible by data*fsdp*expert = 2*1*1 = 2"),
     ]
 
 
@@ -121,8 +133,9 @@ def test_plan_cli(capsys):
     assert plan_cli.main(["--devices", "2", "--rules", "dp", "model.vocab_size=256", *SMALL,
                       "train.global_batch=3"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("plan: 2 devices, 1 candidates, 0 compiled in ")
-    assert "not compiled:\n  dp       2,1,1,1,1  rejected: train.global_batch: micro-batch 3" in out
+    assert out.startswith("plan: 2 devices, 2 candidates, 0 compiled in ")
+    assert "not compiled:\n  dp       1,1,1,1,1,2  rejected: pipeline.microbatches: the micro-batch of 3" in out
+    assert "  dp       2,1,1,1,1,1  rejected: train.global_batch: micro-batch 3" in out
 
 
 def test_explain_zero1_table():

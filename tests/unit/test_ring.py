@@ -20,7 +20,7 @@ RULES = Rules("test_sp", {"batch": [("data",)], "length": [("sequence",)], "head
 
 
 def sequence_mesh(n, data=1):
-    devices = np.asarray(jax.devices()[:n * data]).reshape(data, 1, 1, n, 1)
+    devices = np.asarray(jax.devices()[:n * data]).reshape(data, 1, 1, n, 1, 1)
     return Mesh(devices, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 

@@ -94,7 +94,7 @@ def test_every_rule_set_names_every_logical_axis(name):
     names = {"batch", "length", "residual_length", "kv_length", "embed", "vocab", "heads", "kv_heads", "kv",
              "mlp", "exp", "layers"}
     assert set(Rules.load(name).table) == names
-    assert Rules.load(name).table["layers"] == [None]
+    assert Rules.load(name).table["layers"] == [("stage",), None]  # the pipeline splits the stacked layers
     for family in registry.names():  # every registered family's names have a rule
         Rules.load(name).check_names(registry.get(family).logical_axes, family)
 
@@ -120,13 +120,13 @@ def test_mesh_product_not_device_count_names_every_axis():
     with pytest.raises(ConfigError) as e:
         resolve_sizes(cfglib.MeshConfig(data=2, fsdp=1, tensor=2, sequence=1, expert=1), 8)
     assert str(e.value) == ("mesh: the axis sizes multiply to 4 but there are 8 devices "
-                            "(data=2, fsdp=1, tensor=2, sequence=1, expert=1)")
+                            "(data=2, fsdp=1, tensor=2, sequence=1, expert=1, stage=1)")
 
 
 def test_batch_not_divisible_by_batch_axes_including_expert():
     cfg = cfglib.load(None, [*SMALL, "train.global_batch=12", "sharding.rules=ep"])
     with pytest.raises(ConfigError) as e:
-        cfglib.check_against_mesh(cfg, {"data": 2, "fsdp": 2, "tensor": 1, "sequence": 1, "expert": 2})
+        cfglib.check_against_mesh(cfg, {"data": 2, "fsdp": 2, "tensor": 1, "sequence": 1, "expert": 2, "stage": 1})
     assert str(e.value) == ("train.global_batch: micro-batch 12 (global_batch 12 / grad_accum 1) is not divisible "
                             "by data*fsdp*expert = 2*2*2 = 8")
 

@@ -29,7 +29,7 @@ def test_sharded_equals_unsharded(small_cfg):
     s = setup(cfg8, vocab=256)
     axes = dict(jax.tree_util.tree_flatten_with_path(s.fns.param_axes, is_leaf=lambda x: isinstance(x, tuple))[0])
     shapes = jax.tree_util.tree_flatten_with_path(s.abstract_state()["params"])[0]
-    expected = {path_str(p): s.rules.spec(path_str(p), axes[p], x.shape, s.mesh) for p, x in shapes}
+    expected = {path_str(p): s.rules.partition_spec(path_str(p), axes[p], x.shape, s.mesh) for p, x in shapes}
     params = eight.state["params"]
     actual = {path_str(p): x.sharding.spec for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
     assert actual == expected

@@ -1,0 +1,176 @@
+"""Ray: a Ray Train run of ``--nodes`` workers, each running ``python -m jaxtrain.train``.
+
+Ray Train's ``JaxTrainer`` (``ray.train.v2.jax``) brings what a multi-host run needs from a Ray
+cluster: one worker per host placed together (a placement group, ``--placement``: spread over the
+nodes by default), the world rank and size, a failure budget (``--max-failures``: a worker that
+dies, or whose training process fails, restarts the whole group, which resumes from jaxtrain's
+latest checkpoint) and an elastic group (``--min-nodes``: start on as few as that, grow to
+``--nodes``; every restart resumes with the batches kept, ``jaxtrain.train.elastic``). Its JAX
+backend is switched off (``JaxConfig(use_gpu=False, use_tpu=False)``): it would call
+``jax.distributed.initialize`` inside the Ray worker itself, where jaxtrain's own start-up (watched
+join, named timeouts, gloo on CPU) cannot run. Each worker instead starts the training process
+(``jaxtrain.launch.ray_worker``), worker 0 being the coordinator.
+
+``--dry-run`` prints the run as JSON; submitting connects to the cluster (``--address`` or
+``RAY_ADDRESS``) and waits for the run to end, printing the workers' output as Ray forwards it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import time
+
+from jaxtrain.errors import LaunchError, SubmitError
+from jaxtrain.launch import ray_worker
+from jaxtrain.launch.common import Job, nonnegative_int, positive_int, require
+from jaxtrain.launch.k8s import parse_env_like, port
+
+PLACEMENT = {"spread": "SPREAD", "strict-spread": "STRICT_SPREAD", "pack": "PACK"}
+INSTALL = "pip install 'jaxtrain[ray]'"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def _port_or_free(text: str) -> int:
+    """argparse type: a TCP port, or 0 (a free one)."""
+    return 0 if text.strip() == "0" else port(text)
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    """Ray's flags."""
+    parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS"),
+                        help="the Ray cluster: its head's HOST:PORT, ray://HOST:10001 (Ray Client) or auto "
+                             "(default: $RAY_ADDRESS)")
+    parser.add_argument("--min-nodes", type=positive_int,
+                        help="elastic: start on as few workers as this and grow to --nodes as nodes come "
+                             "(default: --nodes, a fixed group)")
+    parser.add_argument("--cpus-per-worker", type=float, default=1.0, help="Ray CPUs per worker (default: 1)")
+    parser.add_argument("--gpus-per-worker", type=nonnegative_int, default=0, help="GPUs per worker (default: 0)")
+    parser.add_argument("--resource", action="append", default=[], metavar="NAME=AMOUNT",
+                        help="another Ray resource per worker (repeatable)")
+    parser.add_argument("--placement", choices=sorted(PLACEMENT), default="spread",
+                        help="how the workers are placed: spread over the nodes (best effort), strict-spread "
+                             "(one per node) or pack (default: spread)")
+    parser.add_argument("--max-failures", type=nonnegative_int, default=3,
+                        help="group restarts after a failed worker before the run fails (default: 3)")
+    parser.add_argument("--storage-path",
+                        help="where Ray Train keeps its run state (default: Ray's); checkpoints go to checkpoint.dir")
+    parser.add_argument("--coordinator-port", type=_port_or_free, default=0,
+                        help="jax.distributed coordinator port on worker 0's node (default: a free one)")
+    parser.add_argument("--chdir", default=os.getcwd(),
+                        help="working directory of the training processes, on every node (default: here)")
+    parser.add_argument("--python", help="the interpreter on the nodes (default: the Ray worker's own)")
+
+
+def _resources(args: argparse.Namespace) -> dict:
+    """Ray resources per worker; a bad or TPU request is a LaunchError naming the flag."""
+    if args.cpus_per_worker <= 0:
+        raise LaunchError(f"--cpus-per-worker: must be > 0, got {args.cpus_per_worker:g}")
+    out: dict = {"CPU": args.cpus_per_worker}
+    if args.gpus_per_worker:
+        out["GPU"] = args.gpus_per_worker
+    for name, amount in parse_env_like("--resource", args.resource).items():
+        if name in ("CPU", "GPU", "TPU"):
+            raise LaunchError(f"--resource: {name} is not taken here (CPU and GPU have their own flags; for TPU "
+                              f"slices use the gke target)")
+        try:
+            out[name] = float(amount)
+            assert out[name] > 0
+        except (ValueError, AssertionError):
+            raise LaunchError(f"--resource: expected NAME=AMOUNT with AMOUNT > 0, got '{name}={amount}'") from None
+    return out
+
+
+def _storage(path):
+    """A local path made absolute (the driver may run elsewhere than here); a URI as given."""
+    return os.path.abspath(path) if path and "://" not in path else path
+
+
+def build(job: Job, args: argparse.Namespace) -> dict:
+    """The Ray Train run as a plain dict (what ``--dry-run`` prints as JSON and submission runs)."""
+    if args.min_nodes and args.min_nodes > job.nodes:
+        raise LaunchError(f"--min-nodes: {args.min_nodes} is more than --nodes {job.nodes}")
+    if not _NAME.match(job.name):
+        raise LaunchError(f"--name: '{job.name}' is not a valid Ray Train run name (letters, digits, '_', '.', '-')")
+    if not args.container_config and os.path.isfile(args.config):
+        job.config_path = os.path.abspath(args.config)  # the workers start in --chdir, not here
+    return {
+        "address": args.address,
+        "name": job.name,
+        "workers": job.nodes,
+        "min_workers": args.min_nodes or job.nodes,
+        "resources_per_worker": _resources(args),
+        "placement_strategy": PLACEMENT[args.placement],
+        "max_failures": args.max_failures,
+        "storage_path": _storage(args.storage_path),
+        "worker": {"argv": job.train_args(), "env": dict(job.env), "chdir": os.path.abspath(args.chdir),
+                   "python": args.python, "coordinator_port": args.coordinator_port},
+    }
+
+
+def notes(job: Job, args: argparse.Namespace) -> list[str]:
+    """Nothing to warn about: a checkpoint directory the nodes do not share is refused by jaxtrain at start."""
+    return []
+
+
+def render(spec: dict) -> str:
+    """The run as JSON."""
+    return json.dumps(spec, indent=2)
+
+
+def _trainer(spec: dict):
+    """Ray Train's JaxTrainer for ``spec``, with its JAX backend off (the workers start jaxtrain themselves)."""
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.v2.jax import JaxConfig, JaxTrainer
+    workers = spec["workers"] if spec["min_workers"] == spec["workers"] else (spec["min_workers"], spec["workers"])
+    scaling = ScalingConfig(num_workers=workers, resources_per_worker=spec["resources_per_worker"],
+                            use_gpu="GPU" in spec["resources_per_worker"],
+                            placement_strategy=spec["placement_strategy"])
+    run = RunConfig(name=spec["name"], storage_path=spec["storage_path"],
+                    failure_config=FailureConfig(max_failures=spec["max_failures"]))
+    return JaxTrainer(ray_worker.run, train_loop_config=spec["worker"], jax_config=JaxConfig(use_gpu=False,
+                      use_tpu=False), scaling_config=scaling, run_config=run)
+
+
+def _failure(err: BaseException, spec: dict) -> SubmitError:
+    """A SubmitError for a failed run, with the training process's exit code when a worker reported one."""
+    text = str(err)
+    found = re.search(r"jaxtrain\.train exited with code (-?\d+) on worker (\d+) of (\d+) \(node [^)]*\)", text)
+    reason = found.group(0) if found else (text.strip().splitlines() or [type(err).__name__])[-1][:300]
+    failure = SubmitError(f"Ray Train run '{spec['name']}' failed (--max-failures {spec['max_failures']}): {reason}")
+    if found and int(found.group(1)) > 0:
+        failure.exit_code = int(found.group(1))  # the job's own exit code, as jaxtrain.train would end
+    return failure
+
+
+def submit(spec: dict, job: Job, args: argparse.Namespace) -> str:
+    """Runs the Ray Train run on the cluster and waits for it; returns the line to print.
+
+    Raises:
+      LaunchError: no cluster address, or Ray not installed.
+      SubmitError: the cluster is unreachable, or the run failed after its restarts (exit code: the
+        training process's, when one reported it).
+    """
+    if not spec["address"]:
+        raise LaunchError("--address: no Ray cluster given: pass --address HOST:PORT (or auto, or ray://HOST:10001) "
+                          "or set RAY_ADDRESS")
+    ray = require("ray", "ray", "ray[train]", INSTALL)
+    require("ray.train.v2.jax", "ray", "ray[train]", INSTALL)
+    try:
+        ray.init(address=spec["address"], log_to_driver=True)
+    except (ConnectionError, RuntimeError, ValueError) as err:
+        raise SubmitError(f"cannot reach the Ray cluster at {spec['address']}: {str(err).splitlines()[0]}") from None
+    t0 = time.monotonic()
+    error = None
+    try:
+        _trainer(spec).fit()  # raises the run's error (TrainingFailedError) once the restarts are spent
+    except Exception as err:  # noqa: BLE001 - Ray Train's errors, whatever their class in this Ray version
+        error = err
+    finally:
+        ray.shutdown()
+    if error is not None:
+        raise _failure(error, spec)
+    workers = spec["workers"] if spec["min_workers"] == spec["workers"] else \
+        f"{spec['min_workers']}-{spec['workers']}"
+    return f"Ray Train run '{spec['name']}' finished ({workers} workers, {time.monotonic() - t0:.0f} s)"

@@ -140,22 +140,31 @@ class Decoder(nnx.Module):
         float32, aux): positions default to 0..length-1, segment_ids restrict attention to tokens of
         the same packed document; ``inputs`` (e.g. a [batch, length] mask) go to every block as
         keywords. aux is the blocks' aux stacked on a leading [layers] dim (None without aux)."""
-        cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+        extras = {"positions": positions, "segment_ids": segment_ids, **inputs}
+        x, aux = run_blocks(self.layers, self.embed_tokens(tokens), self.block_call, self.cfg.remat,
+                            self.cfg.scan_layers, extras)
+        return self.head(x), aux
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """tokens [batch, length] int32 -> x [batch, length, embed] in the compute dtype."""
         # Gather the FSDP shards of the table before the lookup (as FSDP does for every
         # weight); a lookup into an fsdp-sharded embed dim forces a full rematerialisation.
         table = constrain(self.embed.embedding[...], "vocab", None)
-        x = constrain(table[tokens].astype(dt), "batch", "residual_length", "embed")
+        return constrain(table[tokens].astype(jnp.dtype(self.cfg.dtype)), "batch", "residual_length", "embed")
 
-        returns_aux = self.block_returns_aux
-        extras = {"positions": positions, "segment_ids": segment_ids, **inputs}
+    def block_call(self, block: nnx.Module, h: jax.Array, extras: dict) -> tuple[jax.Array, Any]:
+        """One block on h [batch, length, embed] with the per-example ``extras`` -> (h, aux or None)."""
+        out = block(h, extras.get("positions"), extras.get("segment_ids"),
+                    **{k: v for k, v in extras.items() if k not in ("positions", "segment_ids")})
+        return out if self.block_returns_aux else (out, None)
 
-        def call(block: nnx.Module, h: jax.Array, e: dict) -> tuple[jax.Array, Any]:
-            out = block(h, e.get("positions"), e.get("segment_ids"),
-                        **{k: v for k, v in e.items() if k not in ("positions", "segment_ids")})
-            return out if returns_aux else (out, None)
+    def block_inputs(self, batch: dict) -> dict:
+        """The per-example inputs the blocks take from a training batch (a family may add its own)."""
+        return {"positions": batch.get("positions"), "segment_ids": batch.get("segment_ids")}
 
-        x, aux = run_blocks(self.layers, x, call, cfg.remat, cfg.scan_layers, extras)
+    def head(self, x: jax.Array) -> jax.Array:
+        """x [batch, length, embed] -> logits [batch, length, vocab] float32: final norm and LM head."""
+        dt = jnp.dtype(self.cfg.dtype)
         x = self.final_norm(x)
-        head = self.embed.embedding[...].T if cfg.tie_embeddings else self.lm_head[...]
-        logits = project(x, head.astype(dt)).astype(jnp.float32)
-        return constrain(logits, "batch", "length", "vocab"), aux
+        head = self.embed.embedding[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+        return constrain(project(x, head.astype(dt)).astype(jnp.float32), "batch", "length", "vocab")

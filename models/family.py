@@ -65,6 +65,12 @@ def causal_lm_loss(model: nnx.Module, batch: dict) -> tuple[jax.Array, dict]:
     (packed documents); windows batches leave them out (one segment at positions 0..T-1).
     """
     logits = model(batch["inputs"], positions=batch.get("positions"), segment_ids=batch.get("segment_ids"))
+    return causal_lm_head_loss(model, logits, None, batch)
+
+
+def causal_lm_head_loss(model: nnx.Module, logits: jax.Array, aux: Any, batch: dict) -> tuple[jax.Array, dict]:
+    """:func:`causal_lm_loss` from the decoder's outputs (logits [batch, length, vocab]; the blocks'
+    aux unused): what a pipeline computes at its last stage."""
     loss, weight = masked_cross_entropy(logits, batch["targets"], batch["loss_mask"])
     return loss, {"weight": weight}
 
@@ -79,5 +85,8 @@ class Family:
     flops_per_token: Callable[[Any, int], float]  # (config, seq_len) -> training FLOPs per token
     logical_axes: tuple[str, ...]  # every logical name its parameters and activations use
     loss: LossFn = causal_lm_loss
+    # (model, logits, the blocks' aux [layers, ...], batch) -> (loss, aux): the loss from the decoder's
+    # outputs, which a 1F1B pipeline computes microbatch by microbatch at its last stage.
+    head_loss: Optional[Callable[[nnx.Module, jax.Array, Any, dict], tuple[jax.Array, dict]]] = causal_lm_head_loss
     hf: Optional[HFConverter] = None
     eval_loss: Optional[str] = None  # the aux metric validation reports as its loss (see ModelSpec)

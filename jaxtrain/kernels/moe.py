@@ -45,6 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain.errors import ShardingError
 from jaxtrain.kernels import target
+from jaxtrain.parallel import pipeline
 from jaxtrain.parallel.activations import active_sharding
 
 
@@ -191,6 +192,12 @@ def _local(x, idx, combine, slots, w_gate, w_up, w_down, *, capacity, axis, ep, 
     return out.astype(x.dtype)
 
 
+def _check_vma() -> bool:
+    """shard_map's replication check, off inside a pipeline stage: there the stage ``vmap`` (its
+    ``spmd_axis_name``) makes every value vary over ``stage`` as well, which the check cannot see."""
+    return pipeline.active_schedule() is None
+
+
 def _axes(entry) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
@@ -208,6 +215,7 @@ def top_k(probs: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     rules, mesh = active
     spec = rules.partition_spec("moe router probabilities", ("batch", "length", None), probs.shape, mesh)
     return jax.shard_map(lambda p: tuple(jax.lax.top_k(p, k)), mesh=mesh, in_specs=spec, out_specs=(spec, spec),
+                         check_vma=_check_vma(),
                          )(probs)
 
 
@@ -267,5 +275,5 @@ def routed_experts(x: jax.Array, idx: jax.Array, combine: jax.Array, w_gate: jax
     slot_arg = jnp.zeros(idx.shape, jnp.int32) if slots is None else slots
     body = lambda *a: _local(*a, axis=exp_axes or None, ep=ep, mlp_axes=mlp_axes, **fn)  # noqa: E731
     run = jax.shard_map(body, mesh=mesh, in_specs=(t_spec, t_spec, t_spec, t_spec, win, win, wout),
-                        out_specs=t_spec)
+                        out_specs=t_spec, check_vma=_check_vma())
     return run(x, idx, combine, slot_arg, w_gate, w_up, w_down)

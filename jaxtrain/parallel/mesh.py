@@ -64,8 +64,9 @@ def build_mesh(mesh_cfg: MeshConfig, devices: Optional[Sequence[jax.Device]] = N
 
 def _hybrid_grid(sizes: dict[str, int], across: dict[str, int], devices: list, order: tuple) -> np.ndarray:
     """The device grid (axes in ``order``) of a hybrid mesh: ``across[a]`` nodes along axis a."""
-    nodes = len({getattr(d, "slice_index", None) if getattr(d, "slice_index", None) is not None
-                 else d.process_index for d in devices})
+    # TPU slices are the nodes of a multi-slice job; elsewhere (GPU, CPU) each process is a node.
+    by_slice = devices[0].platform == "tpu" and all(getattr(d, "slice_index", None) is not None for d in devices)
+    nodes = len({d.slice_index if by_slice else d.process_index for d in devices})
     for axis, n in across.items():
         if sizes[axis] % n:
             raise ConfigError(f"mesh.across_nodes.{axis}: mesh.{axis}={sizes[axis]} does not split over {n} nodes")
@@ -74,7 +75,6 @@ def _hybrid_grid(sizes: dict[str, int], across: dict[str, int], devices: list, o
                           f"has {nodes} (processes or slices); the axes across nodes must multiply to that")
     within = tuple(sizes[a] // across.get(a, 1) for a in order)
     between = tuple(across.get(a, 1) for a in order)
-    by_slice = any(getattr(d, "slice_index", None) is not None for d in devices)
     return mesh_utils.create_hybrid_device_mesh(within, between, devices=devices, process_is_granule=not by_slice)
 
 
@@ -84,3 +84,15 @@ def describe(mesh: Mesh) -> str:
     n = mesh.devices.size
     axes = [a for a in MESH_AXES if a != "stage" or mesh.shape[a] > 1]
     return " ".join(f"{a}={mesh.shape[a]}" for a in axes) + f" ({n} device{'s' if n > 1 else ''})"
+
+
+def nodes_along(mesh: Mesh, axes) -> str:
+    """Which process holds each index of the axes that span nodes, e.g. ``stage 0: process 0, stage 1:
+    process 1`` ('' when no axis is given): what a hybrid mesh put where."""
+    out = []
+    for axis in axes:
+        dim = mesh.axis_names.index(axis)
+        for i in range(mesh.shape[axis]):
+            procs = sorted({d.process_index for d in np.take(mesh.devices, i, axis=dim).flat})
+            out.append(f"{axis} {i}: process{'es' if len(procs) > 1 else ''} {', '.join(map(str, procs))}")
+    return ", ".join(out)

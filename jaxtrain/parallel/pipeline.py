@@ -100,7 +100,8 @@ def run(layers: nnx.Module, x: jax.Array, extras: dict, call: BlockCall, remat_f
     graphdef, state = nnx.split(layers)
     n_layers = jax.tree_util.tree_leaves(state)[0].shape[0]
     chunk = n_layers // (S * R)
-    stage_state = jax.tree_util.tree_map(lambda w: _by_stage(w, S, R, chunk), state)
+    circular = schedule.schedule == "circular"
+    stage_state = jax.tree_util.tree_map(lambda w: _by_stage(w, S, R if circular else None, chunk), state)
     xs = _microbatches(x, M)
     ex = {k: _microbatches(v, M) for k, v in extras.items() if v is not None}
 
@@ -112,20 +113,20 @@ def run(layers: nnx.Module, x: jax.Array, extras: dict, call: BlockCall, remat_f
     def stage_fn(chunk_state, h, e):  # one stage's chunk of layers, scanned
         return jax.lax.scan(lambda c, st: layer_fn(c, st, e), h, chunk_state)
 
-    if schedule.schedule == "circular":
+    if circular:
         ys, aux = _circular(stage_fn, stage_state, xs, ex, S, M, R)
     else:
         ys, aux = _gpipe(stage_fn, stage_state, xs, ex, S, M)
     y = ys.reshape(x.shape)
-    lead = 2 if schedule.schedule != "circular" else 3  # [S, chunk] or [R, S, chunk] -> [layers]
+    lead = 3 if circular else 2  # [S, chunk] or [R, S, chunk] -> [layers]
     aux = None if aux is None else jax.tree_util.tree_map(lambda a: a.reshape(n_layers, *a.shape[lead:]), aux)
     return constrain(y, "batch", "residual_length", "embed"), aux
 
 
-def _by_stage(w: jax.Array, S: int, R: int, chunk: int) -> jax.Array:
-    """[layers, ...] -> [S, chunk, ...] (gpipe) or [S, R, chunk, ...] (circular: layer
+def _by_stage(w: jax.Array, S: int, R: Optional[int], chunk: int) -> jax.Array:
+    """[layers, ...] -> [S, chunk, ...] (``R`` None) or [S, R, chunk, ...] (circular: layer
     (r*S + s)*chunk + c held by stage s), the stage dim on the ``stage`` axis."""
-    if R == 1:
+    if R is None:
         out = w.reshape(S, chunk, *w.shape[1:])
     else:
         out = w.reshape(R, S, chunk, *w.shape[1:]).swapaxes(0, 1)

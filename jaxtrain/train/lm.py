@@ -69,4 +69,5 @@ def model_spec(cfg: Config, family: Family, mcfg) -> ModelSpec:
     example = {f: jax.ShapeDtypeStruct((seq_len,), jnp.int32) for f in fields}
     return ModelSpec(make=partial(family.model, mcfg), loss=family.loss, name=family.name, unit="tokens",
                      units_per_example=seq_len, flops_per_unit=family.flops_per_token(mcfg, seq_len),
-                     example=example, logical_axes=family.logical_axes, eval_loss=family.eval_loss)
+                     example=example, logical_axes=family.logical_axes, eval_loss=family.eval_loss,
+                     head_loss=family.head_loss)

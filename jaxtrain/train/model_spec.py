@@ -37,6 +37,8 @@ class ModelSpec:
       eval_loss: the aux metric that validation reports as its loss (``val_loss``) instead of the
         training objective, e.g. a MoE's ``ce_loss`` without the router losses, the number to
         compare with a dense model; None: the loss itself.
+      head_loss: ``(model, logits, blocks' aux, batch) -> (loss, aux)``, the loss from a decoder's
+        outputs, for the 1F1B pipeline schedule (the shared decoder's families); None: no 1F1B.
     """
 
     make: Callable[[nnx.Rngs], nnx.Module]
@@ -48,3 +50,4 @@ class ModelSpec:
     example: Optional[dict[str, jax.ShapeDtypeStruct]] = None
     logical_axes: tuple[str, ...] = field(default=())
     eval_loss: Optional[str] = None
+    head_loss: Optional[Callable] = None

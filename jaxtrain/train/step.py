@@ -29,6 +29,7 @@ from jaxtrain.config import Config
 from jaxtrain.errors import ConfigError, ShardingError
 from jaxtrain.parallel.activations import activation_sharding
 from jaxtrain.parallel.pipeline import pipelined, schedule_of
+from jaxtrain.parallel.pipeline_1f1b import pipelined_loss
 from jaxtrain.parallel.rules import Rules, path_str, tree_shardings
 from jaxtrain.train.model_spec import ModelSpec
 from jaxtrain.train.optimizer import applied_count, hyperparameters, learning_rate, optimizer
@@ -183,7 +184,11 @@ def build(cfg: Config, mesh: Mesh, rules: Rules, model_spec: ModelSpec) -> StepF
         check_loss_output(model_spec.name, loss, aux)  # at trace time: shapes and names are static
         return loss, dict(aux)
 
-    grad_fn = jax.value_and_grad(loss_of, has_aux=True)
+    def loss_1f1b(params, micro_batch):  # the 1F1B schedule's gradient (jaxtrain.parallel.pipeline_1f1b)
+        return pipelined_loss(model_of, model_spec.head_loss, schedule, params, micro_batch)
+
+    one_f_one_b = schedule.stages > 1 and schedule.schedule == "1f1b"
+    grad_fn = jax.value_and_grad(loss_1f1b if one_f_one_b else loss_of, has_aux=True)
 
     def gradients(params, batch):
         """(loss, aux metrics, grads) of a [accum, micro, ...] batch: micro-batch means weighted by

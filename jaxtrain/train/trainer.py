@@ -21,7 +21,7 @@ from jaxtrain.metrics.console import Reporter, format_flops
 from jaxtrain.metrics.profile import StepProfiler
 from jaxtrain.metrics.sinks import Sinks
 from jaxtrain.parallel import host_data
-from jaxtrain.parallel.mesh import describe
+from jaxtrain.parallel.mesh import describe, nodes_along
 from jaxtrain.runtime import heartbeat, host_memory, signals
 from jaxtrain.runtime.watchdog import Watchdog
 from jaxtrain.train import elastic, rundir
@@ -96,6 +96,8 @@ def _fit(s: Setup, run_dir: Path, out: Reporter, extra: Sequence[Hook]) -> RunRe
         val = put_validation(data.val, s.fns.batch_sharding)
         peak, peak_src = flops.total_peak_flops(cfg, s.devices)
         out.info(describe_run(s, state, peak, peak_src))
+        if cfg.mesh.across_nodes:
+            out.info(f"mesh across nodes: {nodes_along(s.mesh, cfg.mesh.across_nodes)}")
         if s.fns.low_precision:
             out.info(f"[yellow]warning:[/] optimizer.master_weights=false: {len(s.fns.low_precision)} low-precision "
                      f"parameters (e.g. {s.fns.low_precision[0]}) and their Adam moments are updated in place; "

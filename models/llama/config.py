@@ -124,5 +124,6 @@ class LlamaConfig(ModelConfig):
             whole = [d for d in range(2, self.n_layers + 1) if self.n_layers % (d * cfg.pipeline.repeats) == 0]
             what = f"mesh.stage={stages}" + (f" x pipeline.repeats={cfg.pipeline.repeats}"
                                              if cfg.pipeline.repeats > 1 else "")
+            other = f", or mesh.stage in {whole}" if whole else ""
             raise ConfigError(f"model.n_layers: {self.n_layers} layers do not split evenly over {what} = {chunks} "
-                              f"chunks; use n_layers in {near}, or mesh.stage in {whole or 'none'}")
+                              f"chunks; use n_layers in {near}{other}")

@@ -8,10 +8,10 @@ from jaxtrain.models.family import Family
 from jaxtrain.models.mixtral.config import MixtralConfig
 from jaxtrain.models.mixtral.flops import flops_per_token
 from jaxtrain.models.mixtral.hf import MixtralHF
-from jaxtrain.models.mixtral.loss import moe_loss
+from jaxtrain.models.mixtral.loss import moe_head_loss, moe_loss
 from jaxtrain.models.mixtral.model import LOGICAL_AXES, Mixtral
 
 FAMILY = Family(name="mixtral", config=MixtralConfig, model=Mixtral, flops_per_token=flops_per_token,
-                logical_axes=LOGICAL_AXES, loss=moe_loss, hf=MixtralHF(), eval_loss="ce_loss")
+                logical_axes=LOGICAL_AXES, loss=moe_loss, head_loss=moe_head_loss, hf=MixtralHF(), eval_loss="ce_loss")
 
 __all__ = ["FAMILY", "Mixtral", "MixtralConfig"]

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.models.family import masked_cross_entropy
+from jaxtrain.models.mixtral.model import summarize
 
 
 def moe_loss(model: nnx.Module, batch: dict) -> tuple[jax.Array, dict]:
@@ -18,9 +19,13 @@ def moe_loss(model: nnx.Module, batch: dict) -> tuple[jax.Array, dict]:
     routed nowhere and left out of the router losses. The validation loss is ``ce_loss``
     (``FAMILY.eval_loss``): the number to compare with a dense model.
     """
-    cfg = model.cfg
-    logits, stats = model.forward(batch["inputs"], positions=batch.get("positions"),
-                                  segment_ids=batch.get("segment_ids"), mask=batch["loss_mask"])
+    return moe_head_loss(model, *model.decode(batch["inputs"], **model.block_inputs(batch)), batch)
+
+
+def moe_head_loss(model: nnx.Module, logits: jax.Array, layer_stats: dict, batch: dict) -> tuple[jax.Array, dict]:
+    """:func:`moe_loss` from the decoder's outputs: logits [batch, length, vocab] and the router
+    statistics of every layer ([layers, ...]); what a pipeline computes at its last stage."""
+    cfg, stats = model.cfg, summarize(layer_stats)
     ce, weight = masked_cross_entropy(logits, batch["targets"], batch["loss_mask"])
     loss = ce + cfg.aux_loss_weight * stats["aux"] + cfg.z_loss_weight * stats["z"]
     return loss, {"weight": weight, "ce_loss": ce, "moe_aux_loss": stats["aux"], "moe_z_loss": stats["z"],

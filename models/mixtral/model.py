@@ -69,5 +69,13 @@ class Mixtral(Decoder):
         float32, stats): 'aux', 'z', 'dropped' averaged over layers, 'frac' [layers, E]. ``mask`` 0
         marks padding, which the experts never see (None: every token is real)."""
         logits, stats = self.decode(tokens, positions, segment_ids, mask=mask)  # stats: [layers, ...]
-        summary = {k: stats[k].mean() for k in ("aux", "z", "dropped")}
-        return logits, {**summary, "frac": stats["frac"]}
+        return logits, summarize(stats)
+
+    def block_inputs(self, batch: dict) -> dict:
+        """The decoder's inputs, and the loss mask: padding is routed to no expert."""
+        return {**super().block_inputs(batch), "mask": batch["loss_mask"]}
+
+
+def summarize(stats: dict) -> dict:
+    """Per-layer router statistics [layers, ...] -> 'aux', 'z', 'dropped' averaged over layers, 'frac' [layers, E]."""
+    return {**{k: stats[k].mean() for k in ("aux", "z", "dropped")}, "frac": stats["frac"]}

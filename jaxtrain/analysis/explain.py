@@ -18,12 +18,14 @@ import sys
 from typing import Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 
 from jaxtrain.analysis import collectives
 from jaxtrain.cli.common import add_config_args, cli, config_args, enable_compilation_cache, prog, use_cpu_devices
 from jaxtrain.config import Config
 from jaxtrain.metrics import memory
 from jaxtrain.parallel.mesh import describe
+from jaxtrain.parallel.pipeline import schedule_of
 from jaxtrain.parallel.rules import path_str
 from jaxtrain.train.assembly import setup
 
@@ -83,6 +85,8 @@ def explain(cfg: Config, devices, vocab: Optional[int] = None, top: int = 25,
         out += ["", "replicated by sharding.allow_fallback:", *[f"  {f}" for f in s.rules.fallbacks]]
     found = sorted(collectives.parse(compiled.as_text()), key=lambda c: -c.bytes * c.count)
     total = collectives.totals(found)
+    if s.mesh.shape["stage"] > 1:
+        out += ["", pipeline_summary(s, total["collective-permute"])]
     out += ["", "collectives per step (bytes per device): " +
             ", ".join(f"{k} {memory.fmt_bytes(v)}" for k, v in total.items())]
     if found:
@@ -94,6 +98,29 @@ def explain(cfg: Config, devices, vocab: Optional[int] = None, top: int = 25,
             out.append(f"... {len(found) - top} more")
     return "\n".join(out)
 
+
+
+def pipeline_summary(s, permute_bytes: int) -> str:
+    """The pipeline in a few lines: schedule, bubble (formula), loop iterations, the activations a
+    stage keeps for its microbatches in flight (an estimate from shapes: stage inputs of
+    [micro-batch / M, length, embed]), and the stage-to-stage bytes of the compiled step."""
+    cfg, sched = s.cfg, schedule_of(s.cfg, s.mesh.shape["stage"])
+    S, M, R = sched.stages, sched.microbatches, sched.repeats
+    per_stage = s.model_config.n_layers // (S * R)
+    batch_div = s.mesh.shape["data"] * s.mesh.shape["fsdp"] * s.mesh.shape["expert"]
+    one = (cfg.micro_batch // M // batch_div) * cfg.data.seq_len * s.model_config.d_model * \
+        jnp.dtype(s.model_config.dtype).itemsize
+    if sched.schedule == "1f1b":
+        kept, how = (2 * S - 1) * one, f"1f1b keeps at most 2S-1 = {2 * S - 1} stage inputs"
+    else:
+        n = sched.iterations * per_stage
+        kept, how = n * one, f"{sched.schedule} keeps every iteration's layer inputs: {n}"
+    return (f"pipeline: {S} stages x {M} microbatches ({sched.schedule}"
+            f"{f', {R} repeats' if R > 1 else ''}), {sched.iterations} loop iterations; bubble "
+            f"{100 * sched.bubble:.1f}% = {sched.bubble_formula}\n"
+            f"  activations in flight per stage (estimate): {memory.fmt_bytes(kept)} ({how} of "
+            f"{memory.fmt_bytes(one)}); stage-to-stage (collective-permute) {memory.fmt_bytes(permute_bytes)} "
+            f"per step")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

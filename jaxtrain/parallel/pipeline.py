@@ -63,8 +63,18 @@ class Schedule:
 
     @property
     def bubble(self) -> float:
-        """The idle fraction of each stage: (S - 1) / (R * M + S - 1)."""
+        """The idle fraction of each stage: (S - 1) / (R*M + S - 1); for the lockstep 1F1B, whose
+        every iteration holds a forward and a backward, (2S - 2) / (M + 2S - 2)."""
+        if self.schedule == "1f1b":
+            return (2 * self.stages - 2) / (self.microbatches + 2 * self.stages - 2)
         return (self.stages - 1) / (self.repeats * self.microbatches + self.stages - 1)
+
+    @property
+    def bubble_formula(self) -> str:
+        S, M, R = self.stages, self.microbatches, self.repeats
+        if self.schedule == "1f1b":
+            return f"(2S-2)/(M+2S-2) = {2 * S - 2}/{M + 2 * S - 2}"
+        return f"(S-1)/(R*M+S-1) = {S - 1}/{R * M + S - 1}"
 
 
 @contextlib.contextmanager

@@ -59,3 +59,21 @@ def test_the_expert_parallel_moe_step_lowers_for_cuda_with_ragged_all_to_all():
         text = step.inner.trace(s.abstract_state(), s.abstract_batch(), step.hparams).lower(
             lowering_platforms=("cuda",)).as_text()
     assert text.count("ragged_all_to_all") >= 4, text.count("ragged_all_to_all")  # 2 forward, 2 backward
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_two_stage_pipelined_1b_step_lowers_for_cuda(schedule):
+    """The one-H200 benchmark's 1.1B model on 2 pipeline stages: the stacked layers on the stage axis
+    (the partitioner turns the rolls between stages into collective permutes) and the Pallas kernels
+    inside each stage."""
+    from jaxtrain import config as cfglib
+    from jaxtrain.kernels.target import lowering_for
+    from jaxtrain.train import setup
+    cfg = cfglib.load("llama_1b_h200", ["model.attention=pallas", "mesh.stage=2", "mesh.data=1",
+                                        "train.global_batch=4", f"pipeline.schedule={schedule}"])
+    s = setup(cfg, jax.devices()[:2], vocab=256)
+    step = s.fns.train_step
+    with lowering_for("gpu"):
+        text = step.inner.trace(s.abstract_state(), s.abstract_batch(), step.hparams).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert '{"stage"}' in text and "__gpu$xla.gpu.triton" in text

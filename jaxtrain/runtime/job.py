@@ -372,6 +372,8 @@ def detect(d, env: Mapping[str, str] = os.environ) -> Optional[Plan]:
 
 
 def _plan(d, readings: list, chosen: dict) -> Optional[Plan]:
+    """The Plan of the merged values (None for one process), after checking that none is missing or out
+    of range. Raises InputError naming the key."""
     explicit = [s for s, _ in readings if not s.jax_detects]
     source = " + ".join(s.name for s, _ in readings)
     if explicit:
@@ -388,5 +390,6 @@ def _plan(d, readings: list, chosen: dict) -> Optional[Plan]:
                          f"from {source})")
     if num == 1 and d.mode != "on":
         return None
-    given = {f: (v if not s.jax_detects else None) for f, (s, v) in chosen.items()}
-    return Plan(source, *(given.get(f) and given[f].value for f in FIELDS))
+    # A value only a TPU pod gave is left to JAX's own detection, which reads the same variables.
+    given = {f: v.value for f, (s, v) in chosen.items() if not s.jax_detects}
+    return Plan(source, given.get("coordinator"), given.get("num_processes"), given.get("process_id"))

@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 
 import yaml
 
-from jaxtrain.config import Config, from_dict
+from jaxtrain.config import MESH_AXES, Config, from_dict
 from jaxtrain.errors import ConfigError
 from jaxtrain.parallel.mesh import resolve_sizes
 from jaxtrain.runtime import heartbeat
@@ -87,14 +87,15 @@ def adapt(cfg: Config, devices: Optional[Sequence] = None, out=None) -> Config:
     """``cfg`` with the ``train.grad_accum`` that keeps the global batch and the per-device
     micro-batch on ``devices`` (default: all), and ``distributed.device_micro_batch`` set; a note on
     ``out`` (a Reporter) when the accumulation differs from the configured one. Unchanged with
-    ``distributed.elastic=false``, or when the configured micro-batch does not divide over the batch
-    devices (the run's set-up names that).
+    ``distributed.elastic=false``, when no mesh axis is -1 (nothing absorbs a new device count: the
+    layout is the user's), or when the configured micro-batch does not divide over the batch devices
+    (the run's set-up names that).
 
     Raises:
       ConfigError: the mesh does not fit the devices, or no whole gradient accumulation keeps both.
     """
-    if not cfg.distributed.elastic:
-        return cfg
+    if not cfg.distributed.elastic or not any(getattr(cfg.mesh, a) == -1 for a in MESH_AXES):
+        return cfg  # every axis sized by hand: a changed layout is the user's, the accumulation too
     import jax
     sizes = resolve_sizes(cfg.mesh, len(devices) if devices is not None else jax.device_count())
     n = batch_devices(sizes)

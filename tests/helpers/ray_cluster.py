@@ -5,7 +5,9 @@ whole cluster would then listen and connect there; any other loopback address ke
 address, the node manager and every connection on 127.0.0.0/8. Every port Ray would otherwise fix
 (the client server's 10001, the dashboard's 8265, the agents') is a free one, so two test runs on
 one machine never collide; usage stats are off; CPUs are bounded; everything Ray writes lives in one
-short temporary directory (Ray's unix sockets are under it). ``--block`` keeps ``ray start`` as the
+short temporary directory (Ray's unix sockets are under it), which is also the daemons' ``HOME``: it holds
+a ``ray_bootstrap_config.yaml`` naming a local provider, because without one Ray's dashboard asks the cloud
+metadata server (169.254.169.254) which cloud it runs on, usage stats or not. ``--block`` keeps ``ray start`` as the
 parent of every daemon, in a session of its own: :meth:`RayCluster.stop` ends that session's
 processes by their ids (the daemons, the Ray workers and the training processes they started).
 """
@@ -51,7 +53,10 @@ class RayCluster:
             "dashboard-agent-grpc-port", "metrics-export-port", "runtime-env-agent-port", "node-manager-port",
             "object-manager-port")}
         self.address = f"{NODE_IP}:{ports['port']}"
-        self.env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+        home = self.dir / "home"
+        home.mkdir()
+        (home / "ray_bootstrap_config.yaml").write_text("provider:\n  type: local\n")
+        self.env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "HOME": str(home)}
         self.log = self.dir / "ray-start.log"
         ray = str(Path(sys.executable).parent / "ray")
         cmd = [ray, "start", "--head", "--block", f"--node-ip-address={NODE_IP}", f"--num-cpus={cpus}", "--num-gpus=0",

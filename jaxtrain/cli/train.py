@@ -42,7 +42,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         join.start(cfg.distributed)  # before anything touches a device
         signals.check_startup()
         fit(cfg)
-        heartbeat.finished()
+        heartbeat.end_run()
     return cli(body)
 
 

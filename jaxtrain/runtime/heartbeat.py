@@ -7,6 +7,7 @@ naming it (:class:`Heartbeat`). A process that ends early (:func:`leave`) tells 
 """
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -140,6 +141,32 @@ def finished() -> None:
     """The run ended normally on this process (see :meth:`Heartbeat.finished`)."""
     if _heartbeat["current"] is not None:
         _heartbeat["current"].finished()
+
+
+def end_run() -> None:
+    """A multi-process run that ended normally: this process says it is done; process 0, which hosts
+    the coordination service, then waits (at most ``distributed.peer_timeout_s``) until every other
+    process is done too, so none loses the service while it finishes. JAX's own shutdown barrier at
+    exit is skipped: a peer that dies after the run's last save would abort the others inside it
+    (``Shutdown barrier has failed``), although nothing was lost."""
+    beat = _heartbeat["current"]
+    if beat is None:
+        return
+    beat.finished()
+    if beat.pid == 0:
+        end = time.monotonic() + beat.timeout
+        missing = []
+        for p in range(1, beat.n):
+            try:
+                beat.client.blocking_key_value_get(f"jaxtrain/done/{p}", max(1, int(1000 * (end - time.monotonic()))))
+            except Exception:  # noqa: BLE001 - not done in time: said below; the run's work is committed
+                missing.append(p)
+        if missing:
+            print(f"warning: process(es) {', '.join(map(str, missing))} of {beat.n} did not reach the end of the run "
+                  f"within distributed.peer_timeout_s={beat.timeout:g} s after this one (their own logs say why)",
+                  file=sys.stderr, flush=True)
+    from jax._src import api
+    atexit.unregister(api.clean_up)  # its distributed.shutdown() is the barrier; the process ends next anyway
 
 
 def leave(code: int) -> None:

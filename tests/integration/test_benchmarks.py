@@ -29,6 +29,10 @@ def test_loop_overhead_compares_the_trainers_logged_step_with_the_bare_step():
 def test_vs_nanogpt_runs_the_real_nanogpt_and_jaxtrain():
     pytest.importorskip("torch")
     out = run_quick("vs_nanogpt.py")
-    nano, jax_ = map(float, re.search(r"20 iterations: nanoGPT ([0-9.]+) s, jaxtrain ([0-9.]+) s", out).groups())
-    ratio = float(re.search(r"jaxtrain is ([0-9.]+)x nanoGPT's speed", out).group(1))
-    assert ratio == pytest.approx(nano / jax_, rel=0.03) and nano > 0 and jax_ > 0  # times printed to 0.1 s
+    m = re.search(r"20 iterations on (.+): whole process nanoGPT ([0-9.]+) s, jaxtrain ([0-9.]+) s: jaxtrain is "
+                  r"([0-9.]+)x nanoGPT's speed; steady ([0-9.]+) vs ([0-9.]+) ms: ([0-9.]+)x", out)
+    assert m, out
+    nano, ours, ratio, nano_ms, our_ms, steady = map(float, m.groups()[1:])
+    assert m.group(1) and nano > 0 and ours > 0 and nano_ms > 0 and our_ms > 0  # the CPU model is named
+    assert ratio == pytest.approx(nano / ours, rel=0.03)  # times printed to 0.1 s
+    assert steady == pytest.approx(nano_ms / our_ms, rel=0.03)

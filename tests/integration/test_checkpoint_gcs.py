@@ -54,7 +54,7 @@ def test_save_list_gc_restore_and_resume_on_gcs(gcs, small_cfg, monkeypatch):
     # List and restore, bit for bit, through a fresh checkpointer (a new process would do the same).
     ckpt = ckptlib.Checkpointer(cfg, full.run_dir)
     assert list(ckpt.committed()) == [4, 6] and ckpt.removed == []
-    assert ckpt.saved_mesh(6) == {"data": 1, "fsdp": 2, "tensor": 2, "sequence": 1, "expert": 1}
+    assert ckpt.saved_mesh(6) == {"data": 1, "fsdp": 2, "tensor": 2, "sequence": 1, "expert": 1, "stage": 1}
     state, data = ckpt.restore(6, setup(cfg, devices, vocab=256).abstract_state())
     ckpt.close()
     for a, b in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(full.state), strict=True):

@@ -42,8 +42,9 @@ sys.exit(main(sys.argv[1:]))
 
 def hung_child(tmp_path, corpus_path, *overrides: str) -> Child:
     """A trainer whose third train step never finishes: its loss's callback deadlocks in native code.
-    On one device XLA:CPU runs this small step on the calling thread, so the main thread itself is
-    blocked where Python's signal handlers never run (the case SIGTERM must still end)."""
+    On one device XLA:CPU usually runs this small step on the calling thread, so the main thread itself
+    is blocked where Python's signal handlers never run (the case SIGTERM must still end); sometimes it
+    runs it on one of its own threads (seen in CI), and the main thread waits for it in native code."""
     script = tmp_path / "hang.py"
     script.write_text(HANG)
     args = crash_trials.command(tmp_path / "run", corpus_path, 6)[3:]
@@ -58,7 +59,7 @@ def devices(n: int) -> dict:
 
 def test_a_hung_step_ends_with_the_named_error_and_every_threads_stack(tmp_path, corpus_path):
     child = hung_child(tmp_path, corpus_path, "train.hang_timeout_s=4")
-    child.wait_for_line("hanging now on MainThread")
+    thread = child.wait_for_line("hanging now on ").split()[-1]
     t0 = time.monotonic()
     out = child.finish(timeout=60)
     assert child.proc.returncode == 5, out
@@ -71,12 +72,15 @@ def test_a_hung_step_ends_with_the_named_error_and_every_threads_stack(tmp_path,
     assert message, out
     assert message.group(1) == "3" and int(message.group(2)) >= 4
     text = stacks.read_text()
-    assert re.search(r'File ".*hang\.py", line \d+ in host\n(.*\n)*.* in run\n', text), text  # main thread
+    if thread == "MainThread":  # the callback's frames sit on top of the trainer's in one stack
+        assert re.search(r'File ".*hang\.py", line \d+ in host\n(.*\n)*.* in run\n', text), text
+    else:  # the callback's thread and the main thread each have theirs
+        assert re.search(r'File ".*hang\.py", line \d+ in host\n', text) and " in run\n" in text, text
 
 
 def test_sigterm_into_a_hung_step_exits_75_within_the_grace_period(tmp_path, corpus_path):
     child = hung_child(tmp_path, corpus_path, "train.hang_timeout_s=600", "checkpoint.grace_period_s=3")
-    child.wait_for_line("hanging now on MainThread")
+    child.wait_for_line("hanging now on ")
     time.sleep(1.0)
     t0 = time.monotonic()
     child.proc.send_signal(signal.SIGTERM)

@@ -51,7 +51,7 @@ class Child:
         self._reader.join(timeout=10)
         pytest.fail(f"{why}. Its output:\n{self.output()[-6000:]}")
 
-    def wait_for_line(self, prefix: str, timeout: float = DEADLINE_S) -> None:
+    def wait_for_line(self, prefix: str, timeout: float = DEADLINE_S) -> str:
         end = time.monotonic() + timeout
         while (left := end - time.monotonic()) > 0:
             try:
@@ -61,7 +61,7 @@ class Child:
             if line is None:
                 self.fail(f"the child exited (code {self.proc.wait(timeout=30)}) before printing {prefix!r}")
             if line.startswith(prefix):
-                return
+                return line
         self.fail(f"no line starting with {prefix!r} within {timeout} s")
 
     def finish(self, timeout: float = DEADLINE_S) -> str:

@@ -15,8 +15,11 @@
 # comes back from that machine. Stages run by value while the budget (default 480 s) lasts:
 #   1. the 1.1B step with model.attention=auto (cuDNN on an H200), 30 steps: the MFU figure;
 #   2. the same step with our Pallas (Triton) flash attention, 10 steps;
-#   3. the 25M config, 20 steps (a small-model row).
-# CI lowers stage 1's step (with Pallas attention) for `cuda` on CPU: tests/test_gpu_lowering.py.
+#   3. the same step with the optimizer state in host memory (offload.optimizer=host) against the step
+#      without it: step time and device memory (benchmarks/offload.py, 10 steps each);
+#   4. the 25M config, 20 steps (a small-model row).
+# CI lowers stage 1's step (with Pallas attention) for `cuda` on CPU: tests/test_gpu_lowering.py, and
+# stage 3's with offload: tests/unit/test_offload_lowering.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
@@ -65,13 +68,13 @@ if d.platform != "gpu":
 PYEOF
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}
 
-stage() {  # name, minimum seconds worth starting with, then step.py arguments
-  local name=$1 need=$2; shift 2
+stage() {  # name, minimum seconds worth starting with, then the script's arguments ($SCRIPT, default step.py)
+  local name=$1 need=$2 script=${SCRIPT:-benchmarks/step.py}; shift 2
   local t; t=$(left)
   if (( t < need )); then echo "skip $name: ${t}s left of the ${BUDGET}s budget" | tee -a "$OUT/stages.txt"; return 0; fi
   echo "stage $name (${t}s left)" | tee -a "$OUT/stages.txt"
   local rc=0
-  timeout $(( t - 10 )) "$PY" benchmarks/step.py --json "$OUT/$name.json" --write-results "$@" \
+  timeout $(( t - 10 )) "$PY" "$script" --json "$OUT/$name.json" --write-results "$@" \
     > "$OUT/$name.log" 2>&1 || rc=$?
   tail -n 20 "$OUT/$name.log"
   echo "stage $name: rc $rc" | tee -a "$OUT/stages.txt"
@@ -79,5 +82,7 @@ stage() {  # name, minimum seconds worth starting with, then step.py arguments
 }
 stage llama_1b_auto 180 --config llama_1b_h200 --steps 30 --warmup 3 data.path=stdlib
 stage llama_1b_pallas 150 --config llama_1b_h200 --steps 10 --warmup 2 data.path=stdlib model.attention=pallas
+SCRIPT=benchmarks/offload.py stage llama_1b_offload 200 --config llama_1b_h200 --variants none,optimizer \
+  --steps 10 --warmup 2 data.path=stdlib
 stage llama_25m 60 --config llama_25m --steps 20 --warmup 3 data.path=stdlib data.tokenizer=byte
 echo "results in $OUT"

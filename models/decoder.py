@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.models.layers import RMSNorm, param, project
-from jaxtrain.parallel import pipeline
+from jaxtrain.parallel import offload, pipeline
 from jaxtrain.parallel.activations import constrain
 
 REMAT_POLICIES = {"full": None, "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
@@ -42,6 +42,9 @@ def checkpoint(fn: Callable, remat: str, prevent_cse: bool = True) -> Callable:
     ('none' returns ``fn`` itself). ``prevent_cse=False`` inside ``lax.scan``, where CSE cannot
     merge the recomputation away and the guard only costs speed.
 
+    Activations named in ``offload.activations`` (tagged with ``checkpoint_name`` in the blocks) are
+    saved to host memory instead of recomputed (``jaxtrain.parallel.offload.offloading_policy``).
+
     Raises:
       ValueError: an unknown policy.
     """
@@ -49,7 +52,8 @@ def checkpoint(fn: Callable, remat: str, prevent_cse: bool = True) -> Callable:
         return fn
     if remat not in REMAT_POLICIES:
         raise ValueError(f"model.remat: unknown policy '{remat}' (known: none, {', '.join(REMAT_POLICIES)})")
-    return jax.checkpoint(fn, policy=REMAT_POLICIES[remat], prevent_cse=prevent_cse)
+    policy = offload.offloading_policy(offload.offloaded_activations(), REMAT_POLICIES[remat])
+    return jax.checkpoint(fn, policy=policy, prevent_cse=prevent_cse)
 
 
 def remat_block(block: nnx.Module, x: jax.Array, call: BlockCall, remat: str, extras: dict) -> tuple[jax.Array, Any]:
@@ -75,11 +79,12 @@ def stack_blocks(blocks: list[nnx.Module]) -> nnx.Module:
 def scan_blocks(stacked: nnx.Module, x: jax.Array, call: BlockCall, remat: str,
                 extras: dict) -> tuple[jax.Array, Any]:
     """x [batch, length, embed] through every layer of a stacked block with ``jax.lax.scan``
-    -> (x, aux stacked on a leading [layers] dim)."""
+    -> (x, aux stacked on a leading [layers] dim). With ``offload.params: host`` the stacked weights
+    stay in host memory and each iteration fetches its layer's (``jaxtrain.parallel.offload``)."""
     graphdef, state = nnx.split(stacked)
 
     def body(h, layer_state):
-        return call(nnx.merge(graphdef, layer_state), h, extras)
+        return call(nnx.merge(graphdef, offload.fetch_layer(layer_state)), h, extras)
 
     return jax.lax.scan(checkpoint(body, remat, prevent_cse=False), x, state)
 

@@ -3,7 +3,8 @@
 Prints, for the config's own mesh and rule set (``mesh.*``, ``sharding.rules``):
   * per parameter: shape, logical axes, PartitionSpec, the optimizer-state PartitionSpec
     when it differs (zero1), and bytes per device;
-  * the per-device memory report (jaxtrain.memory);
+  * the per-device memory report (jaxtrain.memory): device and host bytes apart, from the memory
+    model and, where XLA separates them, from the compiled program; what ``offload:`` moves to host;
   * the collectives of the compiled train step (jaxtrain.collectives): kind, result
     shape, executions per step, bytes per step, and the JAX operation they came from.
 Like ``jaxtrain.plan`` it goes through the run setup of training (``jaxtrain.train.assembly``)
@@ -24,6 +25,7 @@ from jaxtrain.analysis import collectives
 from jaxtrain.cli.common import add_config_args, cli, config_args, enable_compilation_cache, prog, use_cpu_devices
 from jaxtrain.config import Config
 from jaxtrain.metrics import memory
+from jaxtrain.parallel import offload
 from jaxtrain.parallel.mesh import describe
 from jaxtrain.parallel.pipeline import schedule_of
 from jaxtrain.parallel.rules import path_str
@@ -77,9 +79,10 @@ def explain(cfg: Config, devices, vocab: Optional[int] = None, top: int = 25,
                       rows, right={5}), ""]
     report = memory.state_report(abstract, s.fns.state_shardings, compiled)
     out.append(report.summary())
+    out.append(offload_summary(s, report))
     if budget is not None:
-        fits = "within" if report.compiled["peak"] <= budget else "OVER"
-        out.append(f"peak {memory.fmt_bytes(report.compiled['peak'])}: {fits} --device-memory "
+        fits = "within" if report.compiled["device_peak"] <= budget else "OVER"
+        out.append(f"device peak {memory.fmt_bytes(report.compiled['device_peak'])}: {fits} --device-memory "
                    f"{memory.fmt_bytes(budget)}")
     if s.rules.fallbacks:
         out += ["", "replicated by sharding.allow_fallback:", *[f"  {f}" for f in s.rules.fallbacks]]
@@ -98,6 +101,21 @@ def explain(cfg: Config, devices, vocab: Optional[int] = None, top: int = 25,
             out.append(f"... {len(found) - top} more")
     return "\n".join(out)
 
+
+
+def offload_summary(s, report: memory.MemoryReport) -> str:
+    """One line: what ``offload:`` keeps in host memory, per device (state: the memory model; activations:
+    the forward's offloaded residuals per micro-batch, an estimate from shapes)."""
+    o = s.cfg.offload
+    acts = ""
+    if o.activations:
+        micro = {k: jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for k, x in s.abstract_batch().items()}
+        split = s.mesh.shape["data"] * s.mesh.shape["fsdp"] * s.mesh.shape["expert"]
+        _, host = memory.activation_bytes(s.model_spec, micro, lambda: offload.active(offload.Plan.from_config(s.cfg)),
+                                          split)
+        acts = f" ({memory.fmt_bytes(host)} per micro-batch per device, estimate)"
+    return (f"offload: optimizer {o.optimizer}, params {o.params}, activations {list(o.activations) or '-'}{acts}; "
+            f"state in host memory {memory.fmt_bytes(report.host)} per device")
 
 
 def pipeline_summary(s, permute_bytes: int) -> str:

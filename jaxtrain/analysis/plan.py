@@ -13,6 +13,15 @@ device peak, parameter and optimizer bytes (jaxtrain.memory) and bytes per step 
 collective kind (jaxtrain.collectives). Rows are ranked: within the ``--device-memory``
 budget first, then fewest collective bytes per step, then lowest peak.
 
+With ``--device-memory`` the command line also picks, per mesh, the cheapest (``model.remat``,
+``offload.*``) layout that fits (:func:`choose_layout`): every layout's device peak is estimated
+from shapes and the memory model (the compiled peak of the config's own layout, moved by the
+state's device bytes of each memory-kind assignment and by the activations the forward saves,
+``jaxtrain.metrics.memory.activation_bytes``), its cost is the recompute FLOPs at
+``--device-tflops`` plus the host transfers at ``--host-gbps`` (``jaxtrain.parallel.offload``), and
+the cheapest that fits is compiled to confirm it (the next one if it does not); every other layout
+is listed with why it lost.
+
 Every candidate goes through the same run setup as training (``jaxtrain.train.assembly``).
 The command line (:func:`main`) forces the CPU platform and N host devices before
 JAX starts its backend (importing jax does not start it; the first device query does).
@@ -34,6 +43,7 @@ from jaxtrain.cli.common import add_config_args, cli, config_args, enable_compil
 from jaxtrain.config import MESH_AXES, Config
 from jaxtrain.errors import ConfigError, ShardingError
 from jaxtrain.metrics import memory
+from jaxtrain.parallel import offload
 from jaxtrain.parallel.pipeline import schedule_of
 from jaxtrain.parallel.rules import Rules
 from jaxtrain.parallel.rules import rule_sets as shipped_rule_sets
@@ -55,6 +65,15 @@ class Candidate:
     fits: Optional[bool] = None  # peak <= --device-memory (None: no budget given)
     bubble: float = 0.0  # the pipeline's idle fraction per stage (0 without one)
     est_step_s: Optional[float] = None  # the cost model's step time (--nodes given), see cost()
+    cfg: Optional[Config] = None  # the config with this mesh and rule set
+    layout: Optional["Choice"] = None  # the cheapest layout that fits (choose_layout), None: none fits
+    layouts: list = field(default_factory=list)  # every Choice weighed (choose_layout)
+
+    def __post_init__(self):  # axes left out are 1 (e.g. a five-axis mesh written before stage existed)
+        unknown = sorted(set(self.mesh) - set(MESH_AXES))
+        if unknown:
+            raise ValueError(f"Candidate mesh: unknown axes {unknown} (known: {', '.join(MESH_AXES)})")
+        self.mesh = {a: self.mesh.get(a, 1) for a in MESH_AXES}
 
     @property
     def mesh_str(self) -> str:
@@ -127,16 +146,99 @@ def evaluate(cand: Candidate, cfg: Config, vocab: int, devices, seen: dict, budg
     if s.rules.fallbacks:
         cand.reason = f"replicated {len(s.rules.fallbacks)} indivisible dims (allow_fallback)"
     if budget is not None:
-        cand.fits = cand.memory.compiled["peak"] <= budget
+        cand.fits = cand.memory.compiled["device_peak"] <= budget
+    cand.cfg = cfg
     return cand
 
 
 def rank(cands: list[Candidate]) -> list[Candidate]:
-    """Within the memory budget first; then the cost model's step time when there is one (``--nodes``),
-    else the fewest collective bytes; then the lowest peak."""
+    """Within the memory budget first (as configured, or with a layout that fits); then the layout's extra
+    seconds; then the cost model's step time when there is one (``--nodes``), else the fewest collective
+    bytes; then the lowest peak."""
     done = [c for c in cands if c.status == "compiled"]
-    return sorted(done, key=lambda c: (c.fits is False, c.est_step_s if c.est_step_s is not None else 0.0,
-                                       c.comm_bytes, c.memory.compiled["peak"]))
+    return sorted(done, key=lambda c: (c.fits is False and c.layout is None, c.layout.seconds if c.layout else 0.0,
+                                       c.est_step_s if c.est_step_s is not None else 0.0,
+                                       c.comm_bytes, c.memory.compiled["device_peak"]))
+
+
+@dataclass
+class Choice:
+    """One layout weighed for one mesh: the estimate, its cost, and why it lost (``reason``)."""
+
+    layout: offload.Layout
+    est_peak: Optional[int] = None  # device bytes per device, estimated from shapes and the memory model
+    host: int = 0  # host bytes per device: the state's and the offloaded activations'
+    seconds: float = 0.0  # extra seconds per step: recompute FLOPs and host transfers
+    compiled_peak: Optional[int] = None  # device bytes per device of the compiled step (the winner)
+    reason: str = ""
+
+
+def _estimate(cfg: Config, devices, vocab: int, cache: dict) -> tuple:
+    """(state MemoryReport, (device, host) activation bytes, the names the model tags) per device of
+    ``cfg``, from shapes only; the activations traced once per (remat, offloaded names) in ``cache``."""
+    s = setup(cfg, devices, vocab=vocab)
+    rep = memory.state_report(s.abstract_state(), s.fns.state_shardings)
+    key = (cfg.model.remat, tuple(cfg.offload.activations))
+    if key not in cache:
+        micro = {k: jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for k, x in s.abstract_batch().items()}
+        split = s.mesh.shape["data"] * s.mesh.shape["fsdp"] * s.mesh.shape["expert"]
+        plan_ = offload.Plan(activations=key[1])
+        cache[key] = (memory.activation_bytes(s.model_spec, micro, lambda: offload.active(plan_), split),
+                      tuple(sorted(offload.model_names(s.model_spec, micro))))
+    return (rep, *cache[key])
+
+
+def choose_layout(cand: Candidate, vocab: int, devices, budget: int, device_flops: float, host_bps: float) -> None:
+    """Fills ``cand.layouts`` and ``cand.layout``: the cheapest layout whose estimated device peak fits
+    ``budget``, confirmed by compiling it (see the module docstring)."""
+    cfg = cand.cfg
+    cache: dict = {}
+    base_rep, (base_act, _), names = _estimate(cfg, devices, vocab, cache)
+    base_peak = cand.memory.compiled["device_peak"]
+    fam, n = family_of(cfg), math.prod(cand.mesh.values())
+    mcfg, seq = cfg.model.model_copy(update={"vocab_size": vocab}), cfg.data.seq_len
+    tokens = cfg.train.global_batch * seq / n
+    per_token, plain = fam.flops_per_token(mcfg, seq), fam.flops_per_token(mcfg, 0)
+    for lay in offload.layouts(names):
+        c = Choice(lay)
+        cand.layouts.append(c)
+        try:
+            rep, (act, act_host), _ = _estimate(lay.apply(cfg), devices, vocab, cache)
+        except (ConfigError, ShardingError) as err:
+            c.reason = str(err)
+            continue
+        c.est_peak = base_peak + rep.state - base_rep.state + act - base_act
+        c.host = rep.host + act_host
+        flops = offload.recompute_flops(lay.remat, per_token, plain, 6.0 * mcfg.d_model * vocab) * tokens
+        moved = offload.transfer_bytes(lay, rep.params_host, rep.opt_state_host, act_host, cfg.train.grad_accum)
+        c.seconds = flops / device_flops + moved / host_bps
+        if c.est_peak > budget:
+            c.reason = f"estimated device peak {memory.fmt_bytes(c.est_peak)} > {memory.fmt_bytes(budget)}"
+    for c in sorted((c for c in cand.layouts if not c.reason), key=lambda c: (c.seconds, c.est_peak)):
+        if cand.layout is not None:
+            c.reason = f"{1e3 * (c.seconds - cand.layout.seconds):.3g} ms/step more than {cand.layout.layout}"
+            continue
+        s = setup(c.layout.apply(cfg), devices, vocab=vocab)
+        compiled, abstract = s.compile_abstract()
+        c.compiled_peak = memory.state_report(abstract, s.fns.state_shardings, compiled).compiled["device_peak"]
+        if c.compiled_peak <= budget:
+            cand.layout = c
+        else:
+            c.reason = f"compiled device peak {memory.fmt_bytes(c.compiled_peak)} > {memory.fmt_bytes(budget)}"
+
+
+def layouts_text(cands: list[Candidate], budget: int) -> str:
+    """Per mesh: the chosen layout and why every other one was rejected."""
+    out = [f"layouts within --device-memory {memory.fmt_bytes(budget)} (extra time: recompute + host transfers):"]
+    for c in rank(cands):
+        if not c.layouts:
+            continue
+        w = c.layout
+        head = (f"{w.layout}: est. {memory.fmt_bytes(w.est_peak)}, compiled {memory.fmt_bytes(w.compiled_peak)} "
+                f"device, {memory.fmt_bytes(w.host)} host, +{1e3 * w.seconds:.3g} ms/step") if w else "none fits"
+        out.append(f"  {c.rules} {c.mesh_str}: {head}")
+        out += [f"    rejected {x.layout}: {x.reason}" for x in c.layouts if x is not w]
+    return "\n".join(out)
 
 
 @dataclass(frozen=True)
@@ -185,13 +287,17 @@ def table(cands: list[Candidate], budget: Optional[int]) -> str:
         mark = " OVER" if c.fits is False else ""
         fmt = memory.fmt_bytes
         est = f"{c.est_step_s * 1e3:.3g} ms" if c.est_step_s is not None else "-"
-        rows.append([str(i), c.rules, c.mesh_str, fmt(m.compiled["peak"]) + mark, fmt(m.params), fmt(m.opt_state),
+        rows.append([str(i), c.rules, c.mesh_str, fmt(m.compiled["device_peak"]) + mark, fmt(m.params),
+                     fmt(m.opt_state),
                      *[fmt(c.collectives[k]) for k in collectives.KINDS], f"{100 * c.bubble:.0f}%", est,
                      f"{c.compile_s:.1f}"])
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     line = lambda r: "  ".join(x.rjust(w) if i not in (1, 2) else x.ljust(w)  # noqa: E731
                                for i, (x, w) in enumerate(zip(r, widths)))
     out = [line(head), line(["-" * w for w in widths]), *map(line, rows)]
+    hosts = [f"#{i} {memory.fmt_bytes(c.memory.host)}" for i, c in enumerate(rank(cands), 1) if c.memory.host]
+    if hosts:  # the state offload: keeps in host memory (peak, params and optimizer above are device bytes)
+        out.append(f"host memory per device (offload): {', '.join(hosts)}")
     if budget is not None:
         out.append(f"OVER: peak above --device-memory {memory.fmt_bytes(budget)}")
     return "\n".join(out)
@@ -199,10 +305,13 @@ def table(cands: list[Candidate], budget: Optional[int]) -> str:
 
 def plan(cfg: Config, n_devices: int, rule_sets: Optional[Sequence[str]] = None, budget: Optional[int] = None,
          vocab: Optional[int] = None, allow_fallback: bool = False, log=None,
-         links: Optional[Links] = None) -> list[Candidate]:
+         links: Optional[Links] = None, layouts: bool = False, device_flops: float = 400e12,
+         host_bps: float = 50e9) -> list[Candidate]:
     """Evaluates every candidate on the first ``n_devices`` CPU devices; returns all of them.
 
-    ``rule_sets`` defaults to every shipped one (``sharding_rules/*.yaml``).
+    ``rule_sets`` defaults to every shipped one (``sharding_rules/*.yaml``). ``layouts`` (with a
+    ``budget``): also :func:`choose_layout` for every compiled candidate, at ``device_flops`` FLOP/s and
+    ``host_bps`` bytes/s between host and device memory.
 
     Raises:
       ConfigError: fewer than ``n_devices`` CPU devices, a family that cannot be built from the
@@ -220,6 +329,8 @@ def plan(cfg: Config, n_devices: int, rule_sets: Optional[Sequence[str]] = None,
         evaluate(c, cfg, vocab, devices[:n_devices], seen, budget, allow_fallback)
         if log and c.status == "compiled":
             log(f"compiled {c.rules:8s} {c.mesh_str} in {c.compile_s:.1f} s")
+        if layouts and budget is not None and c.status == "compiled":
+            choose_layout(c, vocab, devices[:n_devices], budget, device_flops, host_bps)
     if links is not None:
         fam = family_of(cfg)
         model_cfg = cfg.model.model_copy(update={"vocab_size": vocab})
@@ -253,6 +364,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--intra-node-gbps", type=float, default=450.0, help="GB/s within a node (NVLink-class)")
     parser.add_argument("--inter-node-gbps", type=float, default=25.0, help="GB/s between nodes (200 Gb/s NIC)")
     parser.add_argument("--device-tflops", type=float, default=400.0, help="per-device compute, TFLOP/s")
+    parser.add_argument("--host-gbps", type=float, default=50.0,
+                        help="GB/s between a device and host memory, for --device-memory's layouts (PCIe 5 x16-class)")
     add_config_args(parser)
     args = config_args(parser, sys.argv[1:] if argv is None else argv)
     return cli(lambda: _plan(args))
@@ -279,11 +392,14 @@ def _plan(args: argparse.Namespace) -> int:
             raise ConfigError(f"--nodes: {args.nodes} nodes do not split --devices {args.devices} evenly")
         links = Links(args.nodes, args.intra_node_gbps * 1e9, args.inter_node_gbps * 1e9, args.device_tflops * 1e12)
     cands = plan(cfg, args.devices, rule_sets, budget, allow_fallback=args.allow_fallback,
-                 log=lambda s: print(s, file=sys.stderr, flush=True), links=links)
+                 log=lambda s: print(s, file=sys.stderr, flush=True), links=links, layouts=budget is not None,
+                 device_flops=args.device_tflops * 1e12, host_bps=args.host_gbps * 1e9)
     print(f"plan: {args.devices} devices, {len(cands)} candidates, "
           f"{sum(c.status == 'compiled' for c in cands)} compiled in {time.perf_counter() - t0:.0f} s "
           f"(bytes per device; collectives: bytes per step)\n")
     print(table(cands, budget))
+    if budget is not None and any(c.layouts for c in cands):
+        print("\n" + layouts_text(cands, budget))
     others = [c for c in cands if c.status != "compiled"]
     if others:
         print("\nnot compiled:")

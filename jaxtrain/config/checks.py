@@ -70,6 +70,7 @@ def check_consistency(cfg: "Config") -> None:
         if s == 0 or s < -1:
             raise ConfigError(f"mesh.{a}: must be a positive size or -1, got {s}")
     _check_pipeline(cfg)
+    _check_offload(cfg)
     unknown = [s for s in cfg.metrics.sinks if s not in SINKS]
     if unknown:
         raise ConfigError(f"metrics.sinks: unknown sink '{unknown[0]}' (known: {', '.join(SINKS)})")
@@ -91,6 +92,37 @@ def _check_pipeline(cfg: "Config") -> None:
             raise ConfigError(f"mesh.across_nodes: '{axis}' is not a mesh axis (mesh axes: {', '.join(MESH_AXES)})")
         if not isinstance(nodes, int) or nodes < 1:
             raise ConfigError(f"mesh.across_nodes.{axis}: must be a whole number of nodes >= 1, got {nodes!r}")
+
+
+def _check_offload(cfg: "Config") -> None:
+    """``offload.*``: activation names given once; parameter offload streams the stacked layers, so it
+    needs them stacked (``model.scan_layers``, no pipeline) and a remat policy that refetches them.
+
+    Raises:
+      ConfigError: naming the key and what to set.
+    """
+    o, model = cfg.offload, cfg.model
+    names = o.activations
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ConfigError(f"offload.activations: {', '.join(repr(n) for n in twice)} named twice in {names}")
+    if any(not n.strip() for n in names):
+        raise ConfigError(f"offload.activations: empty name in {names}")
+    if names and getattr(model, "remat", None) == "none":
+        raise ConfigError("offload.activations: saving activations to host instead of recomputing them needs "
+                          "model.remat=full or save_matmuls (with remat none nothing is recomputed, and the "
+                          "backward pass keeps derivative terms, not the named activations)")
+    if o.params != "host":
+        return
+    if getattr(model, "scan_layers", None) is False and cfg.mesh.stage == 1:
+        raise ConfigError("offload.params: host fetches each layer's weights inside the scan over stacked "
+                          "layers; set model.scan_layers=true")
+    if getattr(model, "remat", None) == "none":
+        raise ConfigError("offload.params: host needs model.remat=full or save_matmuls (with remat none the "
+                          "backward pass would keep every layer's fetched weights in device memory)")
+    if cfg.mesh.stage > 1:
+        raise ConfigError(f"offload.params: host is not supported with pipeline stages (mesh.stage="
+                          f"{cfg.mesh.stage}); use mesh.stage=1")
 
 
 def _check_data(cfg: "Config") -> None:

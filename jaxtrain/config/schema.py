@@ -122,6 +122,22 @@ class OptimizerConfig(Section):
     master_weights: bool = True
 
 
+class OffloadConfig(Section):
+    """Host-memory offload (``jaxtrain.parallel.offload``; docs/memory.md): what lives in the devices'
+    ``pinned_host`` memory instead of their own, to train models bigger than device memory."""
+
+    # host: the AdamW moments and the float32 master weights (optimizer.master_weights) live in host
+    # memory between steps; the step brings them in for the update and puts them back
+    optimizer: Literal["device", "host"] = "device"
+    # host: every parameter lives in host memory; the shared decoder fetches one stacked layer per scan
+    # iteration (needs model.scan_layers=true and model.remat full or save_matmuls)
+    params: Literal["device", "host"] = "device"
+    # names of tagged activations saved to host memory in the forward instead of recomputed (needs
+    # model.remat full or save_matmuls), e.g. [qkv, attn_out]; the decoder families tag attn_in, qkv,
+    # attn_out, mlp_in (and llama mlp_hidden)
+    activations: list[str] = []
+
+
 class TrainConfig(Section):
     steps: int = 300
     global_batch: int = 16  # sequences per optimizer step, over all devices
@@ -229,6 +245,7 @@ class Config(Section):
     metrics: MetricsConfig = MetricsConfig()
     profile: ProfileConfig = ProfileConfig()
     distributed: DistributedConfig = DistributedConfig()
+    offload: OffloadConfig = OffloadConfig()
 
     @field_validator("model", mode="before")
     @classmethod

@@ -16,7 +16,7 @@ master weights). Otherwise bf16 rounding swallows updates smaller than the weigh
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain.config import Config
 from jaxtrain.errors import ConfigError, ShardingError
+from jaxtrain.parallel import offload
 from jaxtrain.parallel.activations import activation_sharding
 from jaxtrain.parallel.pipeline import pipelined, schedule_of
 from jaxtrain.parallel.pipeline_1f1b import pipelined_loss
@@ -60,15 +61,22 @@ class TrainStep:
     """A jitted (or lowered, or compiled) train step with the config's hyperparameters bound as its
     third argument: ``step(state, batch)`` uses them, ``step(state, batch, hparams)`` others (a
     dict like ``optimizer.hyperparameters(cfg)``: the same compiled code). ``lower(...).compile()``
-    keeps them bound; anything else (``as_text``, ``memory_analysis``) is the wrapped object's."""
+    keeps them bound; anything else (``as_text``, ``memory_analysis``) is the wrapped object's.
+    ``check(batch)``: run once, before the first call or lowering, outside any trace (a named error
+    that needs the batch's shapes)."""
 
-    def __init__(self, inner: Any, hparams: dict):
-        self.inner, self.hparams = inner, hparams
+    def __init__(self, inner: Any, hparams: dict, check: Optional[Callable] = None):
+        self.inner, self.hparams, self.check = inner, hparams, check
 
     def __call__(self, state, batch, hparams=None):
+        if self.check is not None:
+            self.check(batch)
+            self.check = None
         return self.inner(state, batch, self.hparams if hparams is None else hparams)
 
     def lower(self, state, batch, hparams=None) -> "TrainStep":
+        if self.check is not None:
+            self.check(batch)
         return TrainStep(self.inner.lower(state, batch, self.hparams if hparams is None else hparams), self.hparams)
 
     def compile(self) -> "TrainStep":
@@ -163,9 +171,12 @@ def build(cfg: Config, mesh: Mesh, rules: Rules, model_spec: ModelSpec) -> StepF
     abstract_opt = jax.eval_shape(lambda: tx.init(jax.eval_shape(make_params, jax.random.key(0))))
     opt_rules = rules.for_optimizer()  # e.g. zero1: params replicated, moments sharded
     opt_param_sh = param_sh if opt_rules is rules else tree_shardings(opt_rules, mesh, shapes, axes)
-    opt_sh = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, opt_param_sh,
+    off = offload.Plan.from_config(cfg)  # what lives in host memory (jaxtrain.parallel.offload)
+    opt_sh = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, offload.with_kind(opt_param_sh, off.optimizer),
                                    transform_non_params=lambda _: replicated)
-    state_sh = {"params": param_sh, "opt_state": opt_sh, "step": replicated, "rng": replicated}
+    stored_sh = offload.with_kind(param_sh, offload.host_mask(off, stored, model_dtypes))  # param_sh: device
+    state_sh = {"params": stored_sh, "opt_state": opt_sh, "step": replicated, "rng": replicated}
+    offloading = lambda: offload.active(off, model_dtypes.get("layers") if off.streamed else None)  # noqa: E731
 
     def init_fn():
         key = jax.random.key(cfg.train.seed)
@@ -174,7 +185,7 @@ def build(cfg: Config, mesh: Mesh, rules: Rules, model_spec: ModelSpec) -> StepF
                 "rng": jax.random.key_data(jax.random.fold_in(key, 1))}
 
     def model_of(params):
-        params = jax.tree_util.tree_map(lambda x, dt: x.astype(dt), params, model_dtypes)  # masters -> bf16
+        params = jax.tree_util.tree_map(offload.cast, params, model_dtypes)  # masters -> bf16 (streamed: later)
         state = jax.tree_util.tree_map(lambda x: x, abstract_params)  # fresh Variables
         nnx.replace_by_pure_dict(state, params)
         return nnx.merge(graphdef, state)
@@ -188,7 +199,22 @@ def build(cfg: Config, mesh: Mesh, rules: Rules, model_spec: ModelSpec) -> StepF
         return pipelined_loss(model_of, model_spec.head_loss, schedule, params, micro_batch)
 
     one_f_one_b = schedule.stages > 1 and schedule.schedule == "1f1b"
-    grad_fn = jax.value_and_grad(loss_1f1b if one_f_one_b else loss_of, has_aux=True)
+    value_and_grad = jax.value_and_grad(loss_1f1b if one_f_one_b else loss_of, has_aux=True)
+
+    def grad_fn(params, micro_batch):  # streamed layers' gradients come out typed host: to the device at once
+        out, grads = value_and_grad(params, micro_batch)
+        return out, offload.to_device(grads)
+
+    def check_names(micro: dict) -> None:  # offload.activations: names the model tags (ConfigError)
+        offload.check_names(off.activations, offload.model_names(model_spec, micro), model_spec.name)
+
+    check_batch = None
+    if off.activations and model_spec.example is not None:
+        check_names({k: jax.ShapeDtypeStruct((cfg.micro_batch, *x.shape), x.dtype)
+                     for k, x in model_spec.example.items()})
+    elif off.activations:  # a custom model without an example: before the step first runs (its batch's shapes)
+        check_batch = lambda batch: check_names({k: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)  # noqa: E731
+                                                 for k, x in batch.items()})
 
     def gradients(params, batch):
         """(loss, aux metrics, grads) of a [accum, micro, ...] batch: micro-batch means weighted by
@@ -211,8 +237,8 @@ def build(cfg: Config, mesh: Mesh, rules: Rules, model_spec: ModelSpec) -> StepF
 
     def step_fn(state, batch, h):
         count = applied_count(state["opt_state"])  # updates applied so far: a skipped step is not one
-        with activation_sharding(rules, mesh), pipelined(schedule):
-            loss, aux, grads = gradients(state["params"], batch)
+        with activation_sharding(rules, mesh), pipelined(schedule), offloading():
+            loss, aux, grads = gradients(offload.for_forward(state["params"], off), batch)
             grads = jax.tree_util.tree_map(lambda g, p: g.astype(p.dtype), grads, state["params"])
             grads = jax.lax.with_sharding_constraint(grads, param_sh)
             # Non-finite guard: a step with a NaN/inf loss or gradient keeps params and optimizer
@@ -226,8 +252,12 @@ def build(cfg: Config, mesh: Mesh, rules: Rules, model_spec: ModelSpec) -> StepF
                 updates, opt_state = optimizer(h, axes, count).update(grads, opt_state, params)
                 return optax.apply_updates(params, updates), opt_state
 
-            params, opt_state = jax.lax.cond(finite, update, lambda p, o: (p, o),
-                                             state["params"], state["opt_state"])
+            if off.state:  # host-resident state: fetched, updated and kept per leaf (jaxtrain.parallel.offload)
+                params, opt_state = offload.guarded_update(update, finite, state["params"], state["opt_state"],
+                                                           state_sh)
+            else:
+                params, opt_state = jax.lax.cond(finite, update, lambda p, o: (p, o),
+                                                 state["params"], state["opt_state"])
         # The rate this step applied (or would have, if skipped): the optimizer's own count, which a
         # skipped step does not advance, not the step counter.
         lr = learning_rate(h, count)
@@ -237,8 +267,8 @@ def build(cfg: Config, mesh: Mesh, rules: Rules, model_spec: ModelSpec) -> StepF
         return new_state, metrics
 
     def eval_fn(params, batch):
-        with activation_sharding(rules, mesh), pipelined(schedule):
-            loss, aux = loss_of(params, batch)
+        with activation_sharding(rules, mesh), pipelined(schedule), offloading():
+            loss, aux = loss_of(offload.for_forward(params, off), batch)
         if model_spec.eval_loss is not None:  # e.g. a MoE's cross-entropy; the router losses keep their columns
             loss = aux.pop(model_spec.eval_loss)
         aux.setdefault("weight", jnp.ones((), jnp.float32))
@@ -251,11 +281,12 @@ def build(cfg: Config, mesh: Mesh, rules: Rules, model_spec: ModelSpec) -> StepF
         return jax.lax.scan(lambda carry, b: (carry, eval_fn(params, b)), None, batches)[1]
 
     def apply(params, inputs):
-        return model_of(params)(inputs)
+        with offloading():
+            return model_of(offload.for_forward(params, off))(inputs)
 
     def grads_fn(params, batch):
-        with activation_sharding(rules, mesh), pipelined(schedule):
-            loss, aux, grads = gradients(params, batch)
+        with activation_sharding(rules, mesh), pipelined(schedule), offloading():
+            loss, aux, grads = gradients(offload.for_forward(params, off), batch)
         return loss, aux, jax.lax.with_sharding_constraint(grads, param_sh)
 
     return StepFunctions(
@@ -263,12 +294,12 @@ def build(cfg: Config, mesh: Mesh, rules: Rules, model_spec: ModelSpec) -> StepF
         init=jax.jit(init_fn, out_shardings=state_sh),
         train_step=TrainStep(jax.jit(step_fn, in_shardings=(state_sh, batch_sh, replicated),
                                      out_shardings=(state_sh, replicated), donate_argnums=(0,)),
-                             jax.device_put(h0, replicated)),
-        grads=jax.jit(grads_fn, in_shardings=(param_sh, batch_sh)),
-        eval_step=jax.jit(eval_fn, in_shardings=(param_sh, eval_sh), out_shardings=replicated),
-        evaluate=jax.jit(evaluate, in_shardings=(param_sh, batch_sh), out_shardings=replicated),
+                             jax.device_put(h0, replicated), check_batch),
+        grads=jax.jit(grads_fn, in_shardings=(stored_sh, batch_sh)),
+        eval_step=jax.jit(eval_fn, in_shardings=(stored_sh, eval_sh), out_shardings=replicated),
+        evaluate=jax.jit(evaluate, in_shardings=(stored_sh, batch_sh), out_shardings=replicated),
         # replicated output: every process can read the logits, also when a model axis spans processes
-        apply=jax.jit(apply, in_shardings=(param_sh, None), out_shardings=replicated),
+        apply=jax.jit(apply, in_shardings=(stored_sh, None), out_shardings=replicated),
         model_dtypes=model_dtypes, low_precision=low_precision,
     )
 

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.models.attention import attention
 from jaxtrain.models.decoder import Decoder
@@ -117,8 +118,9 @@ class Attention(nnx.Module):
         kv_len = "length" if cfg.attention == "ring" else "kv_length"
         k = constrain(rotary(k, positions, cfg.rope_theta, cfg.rope_scaling), "batch", kv_len, "kv_heads", "kv")
         v = constrain(v, "batch", kv_len, "kv_heads", "kv")
+        q, k, v = (checkpoint_name(a, "qkv") for a in (q, k, v))  # offload.activations names (see Block)
         out = attention(q, k, v, segment_ids=segment_ids, implementation=cfg.attention)
-        out = constrain(out, "batch", "length", "heads", "kv")
+        out = checkpoint_name(constrain(out, "batch", "length", "heads", "kv"), "attn_out")
         return project(out, self.wo[...].astype(dt), n_in=2)
 
 
@@ -137,11 +139,18 @@ class MLP(nnx.Module):
         dt = self.dtype
         gate = jax.nn.silu(project(x, self.w_gate[...].astype(dt)))
         hidden = constrain(gate * project(x, self.w_up[...].astype(dt)), "batch", "length", "mlp")
-        return project(hidden, self.w_down[...].astype(dt))
+        return project(checkpoint_name(hidden, "mlp_hidden"), self.w_down[...].astype(dt))
 
 
 class Block(nnx.Module):
-    """Pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(.)). x [batch, length, embed] -> same."""
+    """Pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(.)). x [batch, length, embed] -> same.
+
+    Named activations (``jax.ad_checkpoint.checkpoint_name``; ``offload.activations`` saves them to host
+    memory instead of recomputing them): ``attn_in`` (the normed attention input), ``qkv`` (queries, keys
+    and values after rotary), ``attn_out`` (attention's output before ``wo``), ``mlp_in`` (the normed MLP
+    input), ``mlp_hidden`` (the SwiGLU product, ``w_down``'s input): each one a value the block's backward pass
+    reads (its output is not: the residual add needs no value, and the scan keeps each block's input).
+    """
 
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg)
@@ -151,8 +160,8 @@ class Block(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: Optional[jax.Array],
                  segment_ids: Optional[jax.Array] = None) -> jax.Array:
-        x = x + self.attn(self.attn_norm(x), positions, segment_ids)
-        x = x + self.mlp(self.mlp_norm(x))
+        x = x + self.attn(checkpoint_name(self.attn_norm(x), "attn_in"), positions, segment_ids)
+        x = x + self.mlp(checkpoint_name(self.mlp_norm(x), "mlp_in"))
         return constrain(x, "batch", "residual_length", "embed")
 
 

@@ -17,6 +17,7 @@ from typing import Optional
 
 import jax
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.models.decoder import Decoder
 from jaxtrain.models.layers import RMSNorm
@@ -34,6 +35,8 @@ class Block(nnx.Module):
 
     x [batch, length, embed] -> (x, stats): the MoE's router statistics ({'aux', 'z', 'dropped'}
     scalars, 'frac' [E]; see :class:`MoE`). ``mask`` [batch, length] (0: padding, routed nowhere).
+    Named activations as the llama block's: ``attn_in``, ``qkv``, ``attn_out`` and ``mlp_in`` (the MoE's normed
+    input, which the router and the experts' weight gradients read).
     """
 
     def __init__(self, cfg: MixtralConfig, rngs: nnx.Rngs):
@@ -44,8 +47,8 @@ class Block(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: Optional[jax.Array], segment_ids: Optional[jax.Array] = None,
                  mask: Optional[jax.Array] = None) -> tuple[jax.Array, dict]:
-        x = x + self.attn(self.attn_norm(x), positions, segment_ids)
-        y, stats = self.moe(self.mlp_norm(x), mask)
+        x = x + self.attn(checkpoint_name(self.attn_norm(x), "attn_in"), positions, segment_ids)
+        y, stats = self.moe(checkpoint_name(self.mlp_norm(x), "mlp_in"), mask)
         return constrain(x + y, "batch", "residual_length", "embed"), stats
 
 

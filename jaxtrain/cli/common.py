@@ -107,10 +107,13 @@ def config_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argpars
 
 
 def enable_compilation_cache() -> None:
-    """JAX's persistent compilation cache (``JAX_COMPILATION_CACHE_DIR`` or ~/.cache/jaxtrain/xla)."""
+    """JAX's persistent compilation cache (``JAX_COMPILATION_CACHE_DIR`` or ~/.cache/jaxtrain/xla), for
+    every program: JAX's default keeps only those that took a second to compile, and a run's small
+    ones (the initialisation, the evaluation, the sample) cost a second of start-up together."""
+    import jax
     if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        import jax
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser("~/.cache/jaxtrain/xla"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 def log_to_console() -> None:

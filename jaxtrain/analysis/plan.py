@@ -14,13 +14,8 @@ collective kind (jaxtrain.collectives). Rows are ranked: within the ``--device-m
 budget first, then fewest collective bytes per step, then lowest peak.
 
 With ``--device-memory`` the command line also picks, per mesh, the cheapest (``model.remat``,
-``offload.*``) layout that fits (:func:`choose_layout`): every layout's device peak is estimated
-from shapes and the memory model (the compiled peak of the config's own layout, moved by the
-state's device bytes of each memory-kind assignment and by the activations the forward saves,
-``jaxtrain.metrics.memory.activation_bytes``), its cost is the recompute FLOPs at
-``--device-tflops`` plus the host transfers at ``--host-gbps`` (``jaxtrain.parallel.offload``), and
-the cheapest that fits is compiled to confirm it (the next one if it does not); every other layout
-is listed with why it lost.
+``offload.*``) layout that fits, estimated from shapes and confirmed by compiling it
+(``jaxtrain.analysis.layouts``); every other layout is listed with why it lost.
 
 Every candidate goes through the same run setup as training (``jaxtrain.train.assembly``).
 The command line (:func:`main`) forces the CPU platform and N host devices before
@@ -39,11 +34,11 @@ from typing import Optional, Sequence
 import jax
 
 from jaxtrain.analysis import collectives
+from jaxtrain.analysis.layouts import Choice, choose_layout, layouts_text
 from jaxtrain.cli.common import add_config_args, cli, config_args, enable_compilation_cache, prog, use_cpu_devices
 from jaxtrain.config import MESH_AXES, Config
 from jaxtrain.errors import ConfigError, ShardingError
 from jaxtrain.metrics import memory
-from jaxtrain.parallel import offload
 from jaxtrain.parallel.pipeline import schedule_of
 from jaxtrain.parallel.rules import Rules
 from jaxtrain.parallel.rules import rule_sets as shipped_rule_sets
@@ -66,7 +61,7 @@ class Candidate:
     bubble: float = 0.0  # the pipeline's idle fraction per stage (0 without one)
     est_step_s: Optional[float] = None  # the cost model's step time (--nodes given), see cost()
     cfg: Optional[Config] = None  # the config with this mesh and rule set
-    layout: Optional["Choice"] = None  # the cheapest layout that fits (choose_layout), None: none fits
+    layout: Optional[Choice] = None  # the cheapest layout that fits (choose_layout), None: none fits
     layouts: list = field(default_factory=list)  # every Choice weighed (choose_layout)
 
     def __post_init__(self):  # axes left out are 1 (e.g. a five-axis mesh written before stage existed)
@@ -159,86 +154,6 @@ def rank(cands: list[Candidate]) -> list[Candidate]:
     return sorted(done, key=lambda c: (c.fits is False and c.layout is None, c.layout.seconds if c.layout else 0.0,
                                        c.est_step_s if c.est_step_s is not None else 0.0,
                                        c.comm_bytes, c.memory.compiled["device_peak"]))
-
-
-@dataclass
-class Choice:
-    """One layout weighed for one mesh: the estimate, its cost, and why it lost (``reason``)."""
-
-    layout: offload.Layout
-    est_peak: Optional[int] = None  # device bytes per device, estimated from shapes and the memory model
-    host: int = 0  # host bytes per device: the state's and the offloaded activations'
-    seconds: float = 0.0  # extra seconds per step: recompute FLOPs and host transfers
-    compiled_peak: Optional[int] = None  # device bytes per device of the compiled step (the winner)
-    reason: str = ""
-
-
-def _estimate(cfg: Config, devices, vocab: int, cache: dict) -> tuple:
-    """(state MemoryReport, (device, host) activation bytes, the names the model tags) per device of
-    ``cfg``, from shapes only; the activations traced once per (remat, offloaded names) in ``cache``."""
-    s = setup(cfg, devices, vocab=vocab)
-    rep = memory.state_report(s.abstract_state(), s.fns.state_shardings)
-    key = (cfg.model.remat, tuple(cfg.offload.activations))
-    if key not in cache:
-        micro = {k: jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for k, x in s.abstract_batch().items()}
-        split = s.mesh.shape["data"] * s.mesh.shape["fsdp"] * s.mesh.shape["expert"]
-        plan_ = offload.Plan(activations=key[1])
-        cache[key] = (memory.activation_bytes(s.model_spec, micro, lambda: offload.active(plan_), split),
-                      tuple(sorted(offload.model_names(s.model_spec, micro))))
-    return (rep, *cache[key])
-
-
-def choose_layout(cand: Candidate, vocab: int, devices, budget: int, device_flops: float, host_bps: float) -> None:
-    """Fills ``cand.layouts`` and ``cand.layout``: the cheapest layout whose estimated device peak fits
-    ``budget``, confirmed by compiling it (see the module docstring)."""
-    cfg = cand.cfg
-    cache: dict = {}
-    base_rep, (base_act, _), names = _estimate(cfg, devices, vocab, cache)
-    base_peak = cand.memory.compiled["device_peak"]
-    fam, n = family_of(cfg), math.prod(cand.mesh.values())
-    mcfg, seq = cfg.model.model_copy(update={"vocab_size": vocab}), cfg.data.seq_len
-    tokens = cfg.train.global_batch * seq / n
-    per_token, plain = fam.flops_per_token(mcfg, seq), fam.flops_per_token(mcfg, 0)
-    for lay in offload.layouts(names):
-        c = Choice(lay)
-        cand.layouts.append(c)
-        try:
-            rep, (act, act_host), _ = _estimate(lay.apply(cfg), devices, vocab, cache)
-        except (ConfigError, ShardingError) as err:
-            c.reason = str(err)
-            continue
-        c.est_peak = base_peak + rep.state - base_rep.state + act - base_act
-        c.host = rep.host + act_host
-        flops = offload.recompute_flops(lay.remat, per_token, plain, 6.0 * mcfg.d_model * vocab) * tokens
-        moved = offload.transfer_bytes(lay, rep.params_host, rep.opt_state_host, act_host, cfg.train.grad_accum)
-        c.seconds = flops / device_flops + moved / host_bps
-        if c.est_peak > budget:
-            c.reason = f"estimated device peak {memory.fmt_bytes(c.est_peak)} > {memory.fmt_bytes(budget)}"
-    for c in sorted((c for c in cand.layouts if not c.reason), key=lambda c: (c.seconds, c.est_peak)):
-        if cand.layout is not None:
-            c.reason = f"{1e3 * (c.seconds - cand.layout.seconds):.3g} ms/step more than {cand.layout.layout}"
-            continue
-        s = setup(c.layout.apply(cfg), devices, vocab=vocab)
-        compiled, abstract = s.compile_abstract()
-        c.compiled_peak = memory.state_report(abstract, s.fns.state_shardings, compiled).compiled["device_peak"]
-        if c.compiled_peak <= budget:
-            cand.layout = c
-        else:
-            c.reason = f"compiled device peak {memory.fmt_bytes(c.compiled_peak)} > {memory.fmt_bytes(budget)}"
-
-
-def layouts_text(cands: list[Candidate], budget: int) -> str:
-    """Per mesh: the chosen layout and why every other one was rejected."""
-    out = [f"layouts within --device-memory {memory.fmt_bytes(budget)} (extra time: recompute + host transfers):"]
-    for c in rank(cands):
-        if not c.layouts:
-            continue
-        w = c.layout
-        head = (f"{w.layout}: est. {memory.fmt_bytes(w.est_peak)}, compiled {memory.fmt_bytes(w.compiled_peak)} "
-                f"device, {memory.fmt_bytes(w.host)} host, +{1e3 * w.seconds:.3g} ms/step") if w else "none fits"
-        out.append(f"  {c.rules} {c.mesh_str}: {head}")
-        out += [f"    rejected {x.layout}: {x.reason}" for x in c.layouts if x is not w]
-    return "\n".join(out)
 
 
 @dataclass(frozen=True)
@@ -399,7 +314,7 @@ def _plan(args: argparse.Namespace) -> int:
           f"(bytes per device; collectives: bytes per step)\n")
     print(table(cands, budget))
     if budget is not None and any(c.layouts for c in cands):
-        print("\n" + layouts_text(cands, budget))
+        print("\n" + layouts_text(rank(cands), budget))
     others = [c for c in cands if c.status != "compiled"]
     if others:
         print("\nnot compiled:")

@@ -12,7 +12,7 @@ import pytest
 from conftest import SHAKESPEARE, SMALL, put_windows
 
 from jaxtrain import config as cfglib
-from jaxtrain.analysis import plan
+from jaxtrain.analysis import layouts, plan
 from jaxtrain.checkpoint.checkpointer import Checkpointer
 from jaxtrain.metrics import memory
 from jaxtrain.train import fit, setup
@@ -106,7 +106,7 @@ def test_plan_picks_an_offloading_layout_that_trains():
         assert reasons[f"remat={remat} offload=-"].startswith("estimated device peak "), reasons
     assert all(r for lay, r in reasons.items() if lay != str(win.layout))  # each other one says why
     assert any("ms/step more than " + str(win.layout) in r for r in reasons.values())
-    text = plan.layouts_text([cand], BUDGET)
+    text = layouts.layouts_text([cand], BUDGET)
     assert text.splitlines()[1].startswith(f"  fsdp 1,1,1,1,1,1: {win.layout}: est. ")
 
     chosen = win.layout.apply(cfg)

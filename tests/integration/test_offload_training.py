@@ -6,6 +6,8 @@ with the layers scanned and recomputed (model.remat=full) on 1 device and on 8 (
 batches, against the run without offload: the losses agree within 1e-6 relative (on XLA:CPU they are equal: the
 transfers lower to nothing there, see jaxtrain/parallel/offload.py).
 """
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -21,16 +23,23 @@ SCANNED = [*SMALL, "model.scan_layers=true", "model.remat=full"]
 KINDS = {"optimizer": ["offload.optimizer=host"], "params": ["offload.params=host"],
          "activations": ["offload.activations=[attn_in,qkv,attn_out,mlp_in,mlp_hidden]"]}
 MESHES = {1: ["mesh.data=1"], 8: ["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2"]}
-TEXT = np.frombuffer(SHAKESPEARE.read_bytes()[:100_000], np.uint8).astype(np.int32)
-STARTS = np.random.default_rng(0).integers(0, len(TEXT) - 33, size=(5, 1, 8))
-WINDOWS = TEXT[STARTS[..., None] + np.arange(33)]  # [step, accum, micro, T + 1] byte windows of the corpus
+
+
+@functools.cache
+def windows() -> np.ndarray:
+    """[step, accum, micro, T + 1] byte windows of the corpus (read when a test first needs them)."""
+    if not SHAKESPEARE.is_file():
+        pytest.fail(f"test corpus missing: {SHAKESPEARE} (set JAXTRAIN_SHARED to the shared/ folder)")
+    text = np.frombuffer(SHAKESPEARE.read_bytes()[:100_000], np.uint8).astype(np.int32)
+    starts = np.random.default_rng(0).integers(0, len(text) - 33, size=(5, 1, 8))
+    return text[starts[..., None] + np.arange(33)]
 
 
 def run_steps(overrides, n_devices, steps=5):
     """(losses, final state) of ``steps`` train steps on fixed batches (each loss read before the next step)."""
     s = setup(cfglib.load(None, [*SCANNED, *overrides]), jax.devices()[:n_devices], vocab=256)
     state, losses = s.fns.init(), []
-    for window in WINDOWS[:steps]:
+    for window in windows()[:steps]:
         state, metrics = s.fns.train_step(state, put_windows(window, s.fns.batch_sharding))
         losses.append(float(metrics["loss"]))
     return losses, state

@@ -30,6 +30,7 @@ from step import JaxBench
 
 from jaxtrain.metrics import memory
 from jaxtrain.parallel import offload
+from jaxtrain.runtime import xla_flags
 from jaxtrain.train import setup
 
 VARIANTS = ("none", "optimizer", "params", "activations", "all")
@@ -80,6 +81,7 @@ def main(argv=None) -> int:
     p.add_argument("--write-results", action="store_true")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
+    xla_flags.apply_gpu_defaults()  # as python -m jaxtrain.train does (JAXTRAIN_XLA_GPU_FLAGS=0: none)
     variants = [v.strip() for v in a.variants.split(",") if v.strip()]
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import sys
 import time
 
@@ -38,7 +39,7 @@ from _bench import (
 
 from jaxtrain import config as cfglib  # noqa: E402
 from jaxtrain.metrics import flops  # noqa: E402
-from jaxtrain.runtime import host_memory  # noqa: E402
+from jaxtrain.runtime import host_memory, xla_flags  # noqa: E402
 from jaxtrain.train import setup  # noqa: E402
 from jaxtrain.train.step import count_params  # noqa: E402
 
@@ -123,7 +124,8 @@ def results_row(info: dict) -> str:
     mfu = f"MFU {100 * info['mfu']:.1f}% ({info['peak_source']})" if info["mfu"] is not None else "MFU n/a"
     return (f"| {date} | {hardware()}; {info['device']} x{info['n_devices']} | {commit()} | {cfg} | "
             f"{info['tokens_per_sec']:,.0f} | - | - | - | - | {mfu} | {info['compile_s']:.1f} | "
-            f"step.py, {info['stats']['steps']} steps, {info['dtype']}, jax {info['jax']} |")
+            f"step.py, {info['stats']['steps']} steps, {info['dtype']}, jax {info['jax']}"
+            f"{', GPU XLA flags' if info.get('gpu_flags') else ''} |")
 
 
 def main(argv=None) -> int:
@@ -138,6 +140,7 @@ def main(argv=None) -> int:
     p.add_argument("--serve", action="store_true", help="worker mode for compare.py")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
+    xla_flags.apply_gpu_defaults()  # as python -m jaxtrain.train does (JAXTRAIN_XLA_GPU_FLAGS=0: none)
 
     if args.abstract:
         info = abstract_compile(args.config, args.overrides)
@@ -153,6 +156,7 @@ def main(argv=None) -> int:
     dev = jax.devices()[0]
     peak_src = flops.total_peak_flops(cfg, jax.devices(), calibrate=False)
     info = {"impl": "jaxtrain", "config": args.config, "overrides": args.overrides, "device": dev.device_kind,
+            "gpu_flags": dev.platform == "gpu" and "latency_hiding" in os.environ.get("XLA_FLAGS", ""),
             "platform": dev.platform, "n_devices": len(jax.devices()), "dtype": cfg.model.dtype,
             "n_params": int(b.n_params), "flops_per_token": b.fpt, "tokens_per_step": b.tokens_per_step,
             "compile_s": b.compile_s, "scan_layers": getattr(cfg.model, "scan_layers", False),

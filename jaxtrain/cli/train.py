@@ -16,7 +16,7 @@ import sys
 from typing import Optional, Sequence
 
 from jaxtrain.cli.common import add_config_args, cli, config_args, enable_compilation_cache, log_to_console, prog
-from jaxtrain.runtime import signals
+from jaxtrain.runtime import signals, xla_flags
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -30,6 +30,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     signals.during_startup()  # first: a preemption notice may come while jax still imports
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    xla_flags.apply_gpu_defaults()  # before JAX starts its backend; nothing on a machine without CUDA
 
     def body() -> None:
         enable_compilation_cache()

@@ -1,0 +1,46 @@
+"""jaxtrain's default XLA GPU flags: every name is one the installed jaxlib parses (XLA aborts the process
+on an unknown flag, and its CPU build parses the GPU flags too), a flag the user set keeps the user's
+value, and nothing is added without a CUDA plugin or with the opt-out."""
+import subprocess
+import sys
+
+from jaxtrain.runtime import xla_flags
+
+
+def run_with(flags: str) -> subprocess.CompletedProcess:
+    env = {"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
+    code = "import jax.numpy as jnp; print(float(jnp.arange(4.0).sum()))"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_every_default_flag_is_one_this_jaxlib_parses():
+    ok = run_with(xla_flags.with_gpu_flags(""))
+    assert ok.returncode == 0 and ok.stdout.strip() == "6.0", ok.stderr[-2000:]
+    bad = run_with("--xla_gpu_no_such_flag=true")  # the check can fail: XLA rejects a name it does not know
+    assert bad.returncode != 0 and "Unknown flag in XLA_FLAGS: --xla_gpu_no_such_flag" in bad.stderr
+
+
+def test_the_users_flags_win_and_each_default_appears_once():
+    user = "--xla_gpu_enable_latency_hiding_scheduler=false --xla_force_host_platform_device_count=8"
+    out = xla_flags.with_gpu_flags(user)
+    assert out.startswith(user + " ")
+    assert out.count("xla_gpu_enable_latency_hiding_scheduler") == 1
+    assert out.split()[2:] == [f"--{k}={v}" for k, v in xla_flags.GPU_FLAGS.items()
+                               if k != "xla_gpu_enable_latency_hiding_scheduler"]
+    assert xla_flags.with_gpu_flags(out) == out
+
+
+def test_added_only_where_a_cuda_backend_will_start(monkeypatch):
+    present = {"jax_cuda12_plugin"}
+    monkeypatch.setattr(xla_flags.importlib.util, "find_spec", lambda name: object() if name in present else None)
+    env = {"XLA_FLAGS": "--xla_dump_to=/tmp/x"}
+    assert xla_flags.apply_gpu_defaults(env) is True
+    assert env["XLA_FLAGS"] == xla_flags.with_gpu_flags("--xla_dump_to=/tmp/x")
+    for off in ({"JAX_PLATFORMS": "cpu"}, {"JAXTRAIN_XLA_GPU_FLAGS": "0"}):
+        env = {"XLA_FLAGS": "", **off}
+        assert xla_flags.apply_gpu_defaults(env) is False and env["XLA_FLAGS"] == ""
+    env = {"JAX_PLATFORMS": "cuda,cpu"}
+    assert xla_flags.apply_gpu_defaults(env) is True and "latency_hiding" in env["XLA_FLAGS"]
+    present.clear()  # no CUDA plugin installed: a CPU-only machine gets nothing
+    env = {}
+    assert xla_flags.apply_gpu_defaults(env) is False and env == {}

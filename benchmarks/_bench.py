@@ -97,12 +97,14 @@ def hardware() -> str:
 
 
 def commit() -> str:
-    """Short git commit of the checkout, '+dirty' when tracked files differ from it."""
+    """Short git commit of the checkout, '+dirty' when tracked files differ from it (RESULTS.md aside: the
+    rows a benchmark run appends there are not a change to the code measured)."""
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":(exclude)benchmarks/RESULTS.md"],
+                               cwd=REPO, capture_output=True, text=True).stdout.strip()
         return sha + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"

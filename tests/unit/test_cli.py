@@ -38,7 +38,7 @@ def test_explain_takes_one_rule_set_and_reads_the_memory_budget(capsys):
                                        "with python -m jaxtrain.plan --rules dp,fsdp)\n")
     cfg = cfglib.load(None, [*SMALL, "mesh.data=2", "sharding.rules=dp"])
     text = explain(cfg, jax.devices()[:2], vocab=256, budget=1024)
-    over = [line for line in text.splitlines() if line.startswith("peak ")]
+    over = [line for line in text.splitlines() if line.startswith("device peak ")]
     assert len(over) == 1 and over[0].endswith(": OVER --device-memory 1.0 KiB"), over
 
 

@@ -27,6 +27,7 @@ import jax  # noqa: E402
 from _bench import append_result_row, commit, default_corpus, hardware  # noqa: E402
 
 from jaxtrain import config as cfglib  # noqa: E402
+from jaxtrain.errors import ConfigError  # noqa: E402
 from jaxtrain.parallel.pipeline import schedule_of  # noqa: E402
 from jaxtrain.train import setup  # noqa: E402
 
@@ -80,7 +81,11 @@ def main(argv=None) -> int:
                          f"pipeline.schedule={schedule}"]
                 if schedule == "circular":
                     extra.append(f"pipeline.repeats={4 // s}")
-                t, peak = measure(extra, steps)
+                try:
+                    t, peak = measure(extra, steps)
+                except ConfigError as err:  # e.g. 16 microbatches of 2 sequences cannot split over data=4
+                    print(f"{schedule:9s} {f'{s} x {8 // s}':>12s} {m:5d} skipped: {err}", flush=True)
+                    continue
                 sched = schedule_of(cfglib.load(None, extra), s)
                 measured = 1 - base / t
                 print(f"{schedule:9s} {f'{s} x {8 // s}':>12s} {m:5d} {1e3 * t:8.1f} {peak / 2**20:9.1f} "

@@ -15,16 +15,20 @@ import time
 import urllib.request
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
+import xla_test_flags  # noqa: E402
+
 # Must happen before jax is imported anywhere.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+if xla_test_flags.FLAGS not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " " + xla_test_flags.FLAGS
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 SERVER_FIXTURES = {"s3_server", "gcs", "gcs_server", "mlflow_server", "registry", "slurm_cluster"}
 jax.config.update("jax_compilation_cache_dir",
                   os.environ.get("JAX_COMPILATION_CACHE_DIR", str(REPO / ".jax_cache")))

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import portpicker
 import pytest
+import xla_test_flags
 
 REPO = Path(__file__).resolve().parents[2]
 DEADLINE_S = 300
@@ -22,7 +23,7 @@ DEADLINE_S = 300
 
 def environment(devices: int, extra: dict | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAXTRAIN_", "SLURM_", "CLUSTER_SPEC"))}
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = xla_test_flags.with_devices(devices)
     env["JAX_PLATFORMS"] = "cpu"
     env.setdefault("JAX_COMPILATION_CACHE_DIR", str(REPO / ".jax_cache"))
     env["PYTHONUNBUFFERED"] = "1"

@@ -10,6 +10,7 @@ from pathlib import Path
 import google_crc32c
 import jax
 import pytest
+import xla_test_flags
 from conftest import REPO, SMALL
 
 from jaxtrain.checkpoint import checkpointer as ckptlib
@@ -133,7 +134,7 @@ def test_a_stuck_save_times_out_with_exit_4_and_the_last_commit_intact(tmp_path,
     run = tmp_path / "run"
     args = [*SMALL, f"data.path={corpus_path}", f"run.dir={run}", "train.steps=4", "checkpoint.every=1",
             "checkpoint.save_timeout_s=7", "mesh.data=1"]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": xla_test_flags.with_devices(1), "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, str(script), *args], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=100)  # the hang is 120 s: a process that waits for it fails here
     assert proc.returncode == 4, proc.stderr[-3000:]

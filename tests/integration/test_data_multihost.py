@@ -9,6 +9,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import portpicker
+import xla_test_flags
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -45,7 +46,7 @@ def test_two_processes_read_the_global_batch_and_resume_across_process_counts(tm
 
     # 1 -> 2: two processes (4 devices each) continue from the state after step 2.
     port = portpicker.pick_unused_port()
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": xla_test_flags.with_devices(4), "JAX_PLATFORMS": "cpu"}
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(port), "2", str(i), str(tmp_path / f"p{i}.npz"),
                                "4", json.dumps(states[2]), json.dumps(overrides)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(2)]

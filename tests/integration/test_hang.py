@@ -11,6 +11,7 @@ from pathlib import Path
 
 import jax
 import pytest
+import xla_test_flags
 from test_preempt import DEADLINE_S, Child, crash_trials
 
 from jaxtrain.train import Hook, fit
@@ -53,7 +54,7 @@ def hung_child(tmp_path, corpus_path, *overrides: str) -> Child:
 
 def devices(n: int) -> dict:
     env = crash_trials.environment()
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n}"
+    env["XLA_FLAGS"] = xla_test_flags.with_devices(n)
     return env
 
 

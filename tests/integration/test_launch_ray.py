@@ -13,6 +13,7 @@ import sys
 import time
 
 import pytest
+import xla_test_flags
 from launch_helpers import CONFIG, REPO, launch, launch_cli
 
 from jaxtrain.launch import ray as ray_launcher
@@ -110,7 +111,7 @@ def ray_cluster():
 def _command(cluster, tmp_path, corpus: str, name: str) -> list[str]:
     return [sys.executable, "-m", "jaxtrain.launch", "ray", "--address", cluster.address, "--nodes", "2",
             "--max-failures", "2", "--name", name, "--storage-path", str(tmp_path / "ray"), "--chdir", str(REPO),
-            "--env", "JAX_PLATFORMS=cpu", "--env", "XLA_FLAGS=--xla_force_host_platform_device_count=2",
+            "--env", "JAX_PLATFORMS=cpu", "--env", f"XLA_FLAGS={xla_test_flags.with_devices(2)}",
             "--env", f"JAX_COMPILATION_CACHE_DIR={os.environ.get('JAX_COMPILATION_CACHE_DIR', REPO / '.jax_cache')}",
             "--config", CONFIG,
             f"data.path={corpus}", f"run.dir={tmp_path / 'run'}", *TRAIN]

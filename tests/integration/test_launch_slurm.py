@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+import xla_test_flags
 from launch_helpers import CONFIG, REPO, launch, launch_cli
 from slurm_cluster import slurm_cluster  # noqa: F401  (the fixture)
 
@@ -166,7 +167,7 @@ def test_launched_job_trains_as_one_run_of_two_processes(slurm_cluster, capsys, 
         capsys, "slurm", "--config", CONFIG, "--nodes", "1", "--ntasks-per-node", "2",
         "--python", sys.executable, "--chdir", str(tmp_path), "--output", "job-%j.out", "--time", "5",
         "--name", "jt-launch", "--env", "JAX_PLATFORMS=cpu",
-        "--env", "XLA_FLAGS=--xla_force_host_platform_device_count=2",
+        "--env", f"XLA_FLAGS={xla_test_flags.with_devices(2)}",
         f"data.path={corpus_path}", f"run.dir={run_dir}", *TRAIN)
     assert (code, err) == (0, ""), err
     match = re.fullmatch(r"submitted SLURM job (\d+) \(1 nodes x 2 tasks\); log: (\S+)\n", out)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+import xla_test_flags
 from nbclient import NotebookClient
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
@@ -19,7 +20,7 @@ EXPECT = {  # an output line each notebook must print (values follow from the sh
 def execute(path: Path) -> nbformat.NotebookNode:
     nb = nbformat.read(path, as_version=4)
     # The kernel's own environment: 8 simulated CPU devices, whatever this process was told.
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": xla_test_flags.with_devices(8), "JAX_PLATFORMS": "cpu"}
     client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}})
     client.execute(env=env)
     return nb

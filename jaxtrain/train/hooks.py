@@ -300,9 +300,9 @@ class Sample(Hook):
         self.tokenizer, self.bos_id = tokenizer, bos_id
 
     def on_end(self, loop: TrainLoop, ok: bool) -> None:
-        if not ok or (loop.record is not None and loop.record.stop):
-            return
         t, tok = loop.cfg.train, self.tokenizer
+        if not ok or (loop.record is not None and loop.record.stop) or t.sample_tokens <= 0:
+            return  # train.sample_tokens=0 asks for no sample: nothing is printed
         prompt = tok.encode(t.sample_prompt)
         if self.bos_id is not None:
             prompt = np.concatenate([[self.bos_id], prompt]).astype(np.int32)

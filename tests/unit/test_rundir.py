@@ -109,3 +109,12 @@ def test_the_jitted_sampler_equals_a_token_by_token_loop_with_a_sliding_window()
     assert len(set(ids.tolist())) > 3  # the sequence moves, so the window bookkeeping is exercised
     ids = generate(logits_fn, 0.0, np.array([1, 2, 3, 4, 5, 6]), 5, 4, 0.0, 0)
     assert ids.tolist() == host([1, 2, 3, 4, 5, 6], 5, 4)
+
+
+def test_no_sample_is_drawn_or_printed_when_train_sample_tokens_is_0(small_cfg, capsys):
+    cfg = small_cfg("train.steps=1", "train.sample_tokens=0", "train.eval_batches=1", "checkpoint.enabled=false",
+                    "mesh.data=1")
+    result = fit(cfg, devices=jax.devices()[:1], quiet=True)
+    out = capsys.readouterr().out
+    assert result.sample == "" and "validation loss " in out
+    assert "sample:" not in out, out

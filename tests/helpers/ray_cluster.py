@@ -46,7 +46,18 @@ def _session_pids(sid: int) -> list[int]:
 class RayCluster:
     """A one-node Ray cluster with ``cpus`` CPUs; ``address`` is what ``ray.init`` and ``--address`` take."""
 
-    def __init__(self, cpus: int = 4, timeout_s: float = 90):
+    def __init__(self, cpus: int = 4, timeout_s: float = 90, attempts: int = 2):
+        # On two loaded cores Ray's control store (GCS) has missed its own RPC deadline during `ray start`
+        # ("Failed to get node info ... Deadline Exceeded"); a second start, on fresh ports, has come up.
+        for attempt in range(1, attempts + 1):
+            try:
+                self._start(cpus, timeout_s)
+                return
+            except RuntimeError:
+                if attempt == attempts:
+                    raise
+
+    def _start(self, cpus: int, timeout_s: float) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="jtr", dir="/tmp"))  # short: unix socket paths
         ports = {name: portpicker.pick_unused_port() for name in (
             "port", "ray-client-server-port", "dashboard-port", "dashboard-agent-listen-port",
@@ -66,6 +77,10 @@ class RayCluster:
                                      start_new_session=True)
         try:
             self._wait(timeout_s)
+        except RuntimeError:
+            log = self.log.read_text(errors="replace")[-3000:]
+            self.stop()
+            raise RuntimeError(f"ray start did not come up within {timeout_s} s:\n{log}") from None
         except BaseException:
             self.stop()
             raise
@@ -74,7 +89,7 @@ class RayCluster:
         end = time.monotonic() + timeout_s
         while "Ray runtime started" not in self.log.read_text(errors="replace"):
             if self.proc.poll() is not None or time.monotonic() > end:
-                raise RuntimeError(f"ray start did not come up within {timeout_s} s:\n{self.log.read_text()[-3000:]}")
+                raise RuntimeError("ray start did not come up")
             time.sleep(0.2)
 
     def stop(self) -> None:

@@ -21,6 +21,8 @@ the CPU model. Ratios are nanoGPT / jaxtrain (> 1: jaxtrain is faster).
 
     python benchmarks/vs_nanogpt.py [--iters 300 2000] [--rounds 3] [--write-results]
     python benchmarks/vs_nanogpt.py --quick        # 20 iterations, 1 round: that it runs
+    python benchmarks/vs_nanogpt.py --iters 1 --rounds 5   # start-up: nanoGPT's --max_iters=1 (its
+        # iteration-0 evaluation, 40 batches) against one step and a 40-batch evaluation; no steady time
 
 Needs torch (the CPU wheel: ``pip install 'jaxtrain[bench]'``). Measure on a quiet machine.
 """
@@ -91,16 +93,27 @@ def run(cmd: list[str], cwd: Path) -> tuple[float, str]:
     return seconds, done.stdout
 
 
+def median_or_nan(values) -> float:
+    values = list(values)
+    return statistics.median(values) if values else float("nan")
+
+
+def shown(x: float, fmt: str = ".1f", suffix: str = "") -> str:
+    """``x`` formatted, or ``n/a`` for NaN (no steady iterations)."""
+    return "n/a" if x != x else f"{x:{fmt}}{suffix}"
+
+
 def nanogpt_steady_ms(stdout: str) -> float:
-    """Median ``time`` of the iterations that did not evaluate (and not iteration 0, which warms up)."""
+    """Median ``time`` of the iterations that did not evaluate (and not iteration 0, which warms up);
+    NaN when there is none (``--iters 1``: a start-up measurement)."""
     times = {int(i): float(t) for i, t in re.findall(r"^iter (\d+): loss [\d.]+, time ([\d.]+)ms", stdout, re.M)}
-    return statistics.median(t for i, t in times.items() if i % EVAL_INTERVAL and i > 1)
+    return median_or_nan(t for i, t in times.items() if i % EVAL_INTERVAL and i > 1)
 
 
 def jaxtrain_steady_ms(run_dir: Path) -> float:
-    """Median ``step_time_s`` of the logged steps after the first two (compile, warm-up)."""
+    """Median ``step_time_s`` of the logged steps after the first two (compile, warm-up); NaN without."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return 1e3 * statistics.median(r["step_time_s"] for r in rows if "step_time_s" in r and r["step"] > 2)
+    return 1e3 * median_or_nan(r["step_time_s"] for r in rows if "step_time_s" in r and r["step"] > 2)
 
 
 def main() -> None:
@@ -128,19 +141,20 @@ def main() -> None:
                         steady[who].append(jaxtrain_steady_ms(run_dir))
                     wall[who].append(seconds)
                 print(f"{iters} iterations, round {r + 1}: nanoGPT {wall['nanoGPT'][-1]:.1f} s "
-                      f"({steady['nanoGPT'][-1]:.1f} ms/iter), jaxtrain {wall['jaxtrain'][-1]:.1f} s "
-                      f"({steady['jaxtrain'][-1]:.1f} ms/step)", flush=True)
+                      f"({shown(steady['nanoGPT'][-1])} ms/iter), jaxtrain {wall['jaxtrain'][-1]:.1f} s "
+                      f"({shown(steady['jaxtrain'][-1])} ms/step)", flush=True)
             (nano, ours), (nano_ms, our_ms) = [tuple(statistics.median(d[w]) for w in ("nanoGPT", "jaxtrain"))
                                                for d in (wall, steady)]
+            steady_ratio = nano_ms / our_ms
             load = f"{load0:.1f}→{os.getloadavg()[0]:.1f}"
             print(f"{iters} iterations on {hardware()}: whole process nanoGPT {nano:.1f} s, jaxtrain {ours:.1f} s: "
-                  f"jaxtrain is {nano / ours:.2f}x nanoGPT's speed; steady {nano_ms:.1f} vs {our_ms:.1f} ms: "
-                  f"{nano_ms / our_ms:.2f}x (median of {rounds}; load {load})", flush=True)
+                  f"jaxtrain is {nano / ours:.2f}x nanoGPT's speed; steady {shown(nano_ms)} vs {shown(our_ms)} ms: "
+                  f"{shown(steady_ratio, '.2f', 'x')} (median of {rounds}; load {load})", flush=True)
             if a.write_results and not a.quick:
                 date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
                 append_result_row(HEADER, f"| {date} | {hardware()} | {commit()} | {iters} | {nano:.1f} | {ours:.1f} "
-                                          f"| {nano / ours:.2f}x | {nano_ms:.1f} | {our_ms:.1f} | "
-                                          f"{nano_ms / our_ms:.2f}x | {rounds} | {load} |", INTRO)
+                                          f"| {nano / ours:.2f}x | {shown(nano_ms)} | {shown(our_ms)} | "
+                                          f"{shown(steady_ratio, '.2f', 'x')} | {rounds} | {load} |", INTRO)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ def hung_child(tmp_path, corpus_path, *overrides: str) -> Child:
     script = tmp_path / "hang.py"
     script.write_text(HANG)
     args = crash_trials.command(tmp_path / "run", corpus_path, 6)[3:]
-    return Child([sys.executable, str(script), *args, "checkpoint.enabled=false", *overrides])
+    return Child([sys.executable, str(script), *args, "checkpoint.enabled=false", "model.n_layers=1", *overrides])
 
 
 def devices(n: int) -> dict:
@@ -147,8 +147,8 @@ def test_one_process_on_8_devices_finishes_with_100_evaluation_batches(tmp_path,
     env = devices(8)
     cmd = [sys.executable, "-m", "jaxtrain.train", "--config", config, f"data.path={corpus_path}",
            f"run.dir={tmp_path / 'run'}", "train.steps=3", "train.eval_batches=100", "train.sample_tokens=16",
-           "run.progress=false", "checkpoint.enabled=false", "model.n_layers=2", *overrides]
-    # Half the depth, small batches of short windows, no checkpoint: what aborted was the count of
+           "run.progress=false", "checkpoint.enabled=false", "model.n_layers=1", *overrides]
+    # One layer, small batches of short windows, no checkpoint: what aborted was the count of
     # dispatched multi-device programs at the end of the run, not their size.
     child = Child(cmd, env=env)
     out = child.finish(timeout=DEADLINE_S)
@@ -166,7 +166,7 @@ def test_two_processes_evaluate_500_batches_and_finish(tmp_path, corpus_path):
     run_dir = tmp_path / "run"
     job = mp.run(2, 4, args(corpus_path, run_dir, "train.steps=2", "train.eval_every=2", "train.eval_batches=500",
                             "train.sample_tokens=0", "checkpoint.enabled=false", "train.global_batch=4",
-                            "data.seq_len=16"), timeout=240,
+                            "data.seq_len=16", "model.n_layers=1"), timeout=240,
                  extra_env={"PYTHONPATH": str(Path(__file__).resolve().parents[1] / "helpers" / "probes")})
     evals = [r for r in mp.rows(run_dir) if "val_loss" in r]
     assert [r["step"] for r in evals] == [2] and 0 < evals[0]["val_loss"] < 10

@@ -7,17 +7,16 @@ is marked ``servers``; the slowest are marked ``slow`` where they are defined.
 """
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 import xla_test_flags  # noqa: E402
+from mlflow_service import MlflowServer  # noqa: E402
 
 # Must happen before jax is imported anywhere.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -144,37 +143,29 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.servers)
 
 
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
+_SESSION_SERVERS: dict = {}
+
+
+def pytest_collection_finish(session):
+    """Starts the MLflow server now when a selected test needs it, so that its start overlaps earlier tests."""
+    if not session.config.option.collectonly and any(
+            "mlflow_server" in getattr(item, "fixturenames", ()) for item in session.items):
+        _SESSION_SERVERS["mlflow"] = MlflowServer()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for server in _SESSION_SERVERS.values():
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def mlflow_server():
     """`mlflow server` with a SQLite backend and a local artifact store, on 127.0.0.1; yields its URL."""
-    root = tmp_path_factory.mktemp("mlflow")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    exe = Path(sys.executable).parent / "mlflow"
-    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
-    log = open(root / "server.log", "w")
-    proc = subprocess.Popen([str(exe), "server", "--backend-store-uri", f"sqlite:///{root / 'db.sqlite'}",
-                             "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1",
-                             "--port", str(port), "--workers", "1"], stdout=log, stderr=subprocess.STDOUT,
-                            env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(240):
-        try:
-            if urllib.request.urlopen(f"{url}/health", timeout=1).read() == b"OK":
-                break
-        except OSError:
-            time.sleep(0.5)
-    else:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail("mlflow server did not start: " + (root / "server.log").read_text()[-2000:])
-    yield url
-    os.killpg(proc.pid, signal.SIGTERM)
+    server = _SESSION_SERVERS.get("mlflow") or _SESSION_SERVERS.setdefault("mlflow", MlflowServer())
     try:
-        proc.wait(2)
-    except subprocess.TimeoutExpired:  # its graceful shutdown took ~4 s; the store is the test's own
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(30)
+        return server.wait()
+    except RuntimeError as e:
+        pytest.fail(str(e))
 
 
 @pytest.fixture(scope="module")

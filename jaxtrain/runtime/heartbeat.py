@@ -175,7 +175,9 @@ def leave(code: int) -> None:
 
     It first tells the others (a key in the coordinator's store): their :class:`Heartbeat` ends them
     with the same code. Process 0 hosts the coordination service, whose end aborts every other
-    process, so it waits (a heartbeat interval and 5 s at most) until the others have left.
+    process, so it waits until the others have left: a heartbeat interval and 5 s for a peer whose
+    heartbeat is silent, and up to ``distributed.peer_timeout_s`` (60 s at most) for one still beating
+    (on two loaded cores a live peer took longer than 5 s to hear of it, and was aborted).
     """
     sys.stdout.flush()
     sys.stderr.flush()
@@ -184,16 +186,24 @@ def leave(code: int) -> None:
     client, pid = state.client, state.process_id
     try:
         client.key_value_set(f"jaxtrain/exit/{pid}", str(code), allow_overwrite=True)
-        if pid == 0:
-            beat = _heartbeat["current"]
-            end = time.monotonic() + 5.0 + (beat.interval if beat is not None else 5.0)
-            for p in range(1, state.num_processes):
-                wait_ms = int(1000 * (end - time.monotonic()))
-                if wait_ms <= 0:
-                    break
-                client.blocking_key_value_get(f"jaxtrain/exit/{p}", wait_ms)
     except Exception:  # noqa: BLE001 - leaving anyway
-        pass
+        os._exit(code)
+    if pid == 0:
+        beat = _heartbeat["current"]
+        start = time.monotonic()
+        interval = beat.interval if beat is not None else 5.0
+        short = start + 5.0 + interval
+        for p in range(1, state.num_processes):
+            last_beat = beat.seen.get(p, (None, start))[1] if beat is not None else start
+            beating = beat is not None and start - last_beat < 2 * interval
+            end = max(short, start + min(beat.timeout, 60.0)) if beating else short
+            wait_ms = int(1000 * (end - time.monotonic()))
+            if wait_ms <= 0:
+                continue
+            try:
+                client.blocking_key_value_get(f"jaxtrain/exit/{p}", wait_ms)
+            except Exception:  # noqa: BLE001 - not in time, or the store is gone: leaving anyway
+                pass
     os._exit(code)
 
 

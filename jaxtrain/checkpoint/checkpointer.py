@@ -104,6 +104,7 @@ class Checkpointer:
         self.set_aside_names = self.layout.set_aside_names() if primary() else []
         sync("jaxtrain_ckpt_cleanup")
         processes.check_shared(self.directory, "checkpoint.dir" if not self.remote else "run.dir (its S3 staging)")
+        processes.use_replica_parallel_writes()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None, enable_async_checkpointing=c.async_save, create=True)  # we do the GC
         self.manager = ocp.CheckpointManager(self.directory, options=options)

@@ -23,6 +23,24 @@ def sync(name: str) -> None:
         ocp.multihost.sync_global_processes(name)
 
 
+# Orbax splits each replicated array's write across its replicas. That pays across processes (each
+# host writes a part); within one process it only adds an eager, compiled slice per part: 550 of them
+# for a 5-leaf-per-layer model on 8 simulated CPU devices, about a second a save. Parts under 1 MiB
+# are not worth a dispatch in any case.
+REPLICA_PARALLEL_MIN_BYTES = 1 << 20
+
+
+def use_replica_parallel_writes() -> None:
+    """Orbax's writer of ``jax.Array``: replica-parallel (parts of at least
+    :data:`REPLICA_PARALLEL_MIN_BYTES`) only when there is more than one process. Orbax keeps one
+    handler per type for the whole process, so this sets it there (with the per-array metadata store
+    its default handler has); the files it writes are read the same either way."""
+    from orbax.checkpoint._src.metadata.array_metadata_store import Store  # no public name in 0.12
+    ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(
+        use_replica_parallel=jax.process_count() > 1, array_metadata_store=Store(),
+        min_slice_bytes_for_replica_parallel=REPLICA_PARALLEL_MIN_BYTES), override=True)
+
+
 def agree(error: Optional[BaseException], what: str) -> Optional[BaseException]:
     """Many processes: every one learns whether any failed (``error`` here, else a PeerSaveError
     naming them). A collective: every process calls it at the same point. One process: ``error``."""

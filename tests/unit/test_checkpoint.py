@@ -105,6 +105,26 @@ def test_dtypes_and_structure_survive(small_cfg):
     assert_trees_identical(restored, state)
 
 
+def test_one_process_writes_each_replicated_array_whole(small_cfg, monkeypatch):
+    # Orbax's replica-parallel write would cut each of these into 8 parts, one eager compiled slice each.
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",))
+    everywhere = jax.sharding.NamedSharding(mesh, P())
+    state = {f"w{i}": jax.device_put(np.arange(64 * (i + 1), dtype=np.float32).reshape(8, -1), everywhere)
+             for i in range(3)}
+    slices = []
+    real = jax.lax.slice_in_dim
+    monkeypatch.setattr(jax.lax, "slice_in_dim", lambda *a, **k: slices.append(a[0].shape) or real(*a, **k))
+    cfg = small_cfg()
+    ckpt = ckptlib.Checkpointer(cfg, cfg.run.dir)
+    ckpt.save(1, state, {})
+    assert ckpt.finish() is True
+    assert slices == []
+    restored, _ = ckpt.restore(1, ckptlib.abstract_like(state, jax.tree_util.tree_map(lambda x: x.sharding, state)))
+    ckpt.close()
+    assert_trees_identical(restored, state)
+    assert restored["w2"].sharding == everywhere
+
+
 def test_unfinished_saves_are_cleaned_and_nothing_else(fsdp8_run):
     cfg, full = fsdp8_run
     root = full.run_dir.parent / "c"

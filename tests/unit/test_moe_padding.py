@@ -97,7 +97,8 @@ def test_capacity_is_clamped_to_one_slot_and_to_the_tokens():
 def test_a_moe_validation_loss_is_its_cross_entropy(small_cfg):
     from jaxtrain.train import setup
     from jaxtrain.train.trainer import put_validation
-    cfg = small_cfg("model.family=mixtral", "model.n_experts=4", "model.aux_loss_weight=0.5", "mesh.data=1")
+    cfg = small_cfg("model.family=mixtral", "model.n_experts=4", "model.aux_loss_weight=0.5", "mesh.data=1",
+                    "model.n_layers=1")
     s = setup(cfg, jax.devices()[:1], load_data=True)
     params = s.fns.init()["params"]
     val = put_validation(s.data.val, s.fns.batch_sharding)

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain.errors import AttentionBackendError
-from jaxtrain.kernels import blockwise, flash_gpu, flash_tpu, reference, ring, target
+from jaxtrain.kernels import blockwise, reference, ring, target
 from jaxtrain.parallel.activations import devices_along
 
 IMPLEMENTATIONS = ("auto", "xla", "blockwise", "cudnn", "pallas", "ring")
@@ -71,8 +71,11 @@ def cudnn_attention(q, k, v, segment_ids=None, causal=True, window=None):
 
 def pallas_attention(q, k, v, segment_ids=None, causal=True, window=None):
     """Our FlashAttention-2 kernel for the current backend."""
+    # Imported here: Pallas's TPU and Triton front ends take ~0.1 s to import, which a CPU run never needs.
     if target.backend() == "tpu":
+        from jaxtrain.kernels import flash_tpu
         return flash_tpu.flash_attention(q, k, v, segment_ids, causal=causal, window=window)
+    from jaxtrain.kernels import flash_gpu
     return flash_gpu.flash_attention(q, k, v, segment_ids, causal=causal, window=window)
 
 

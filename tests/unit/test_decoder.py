@@ -67,6 +67,23 @@ def test_scanned_and_unrolled_stacks_under_every_remat_policy_agree(family):
                                    want_stats)
 
 
+def test_unrolled_blocks_of_one_structure_are_traced_once_and_compute_the_same(monkeypatch):
+    from jaxtrain.models.llama.model import Block
+    calls = []
+    real = Block.__call__
+    monkeypatch.setattr(Block, "__call__", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    model = build("llama", n_layers=4)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 40, size=(2, 10)), jnp.int32)
+    logits = jax.jit(lambda t: model(t))(tokens)
+    assert len(calls) == 1  # traced once, called for the 4 layers
+    # The same value as the blocks applied one after the other, eagerly (each traced on its own).
+    x = model.embed_tokens(tokens)
+    for block in model.layers:
+        x = real(block, x, None, None)
+    np.testing.assert_allclose(logits, model.head(x), rtol=1e-5, atol=1e-6)
+    assert len(calls) == 1
+
+
 def test_both_families_are_the_shared_decoder_with_their_own_block():
     assert issubclass(Llama, Decoder) and issubclass(Mixtral, Decoder) and not issubclass(Mixtral, Llama)
     llama, mixtral = build("llama", scan_layers=True), build("mixtral", scan_layers=True)

@@ -27,11 +27,12 @@ class MlflowServer:
         exe = Path(sys.executable).parent / "mlflow"
         env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
         self.log = self.root / "server.log"
-        self.proc = subprocess.Popen(
-            [str(exe), "server", "--backend-store-uri", f"sqlite:///{self.root / 'db.sqlite'}",
-             "--artifacts-destination", str(self.root / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
-             "--workers", "1"], stdout=open(self.log, "w"), stderr=subprocess.STDOUT, env=env,
-            start_new_session=True)
+        with open(self.log, "w") as log:  # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen(
+                [str(exe), "server", "--backend-store-uri", f"sqlite:///{self.root / 'db.sqlite'}",
+                 "--artifacts-destination", str(self.root / "artifacts"), "--host", "127.0.0.1", "--port",
+                 str(port), "--workers", "1"], stdout=log, stderr=subprocess.STDOUT, env=env,
+                start_new_session=True)
         self.ready = False
 
     def wait(self, timeout_s: float = 120) -> str:

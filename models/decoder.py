@@ -23,6 +23,7 @@ from typing import Any, Callable, ClassVar, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxtrain.models.layers import RMSNorm, param, project
@@ -63,6 +64,57 @@ def remat_block(block: nnx.Module, x: jax.Array, call: BlockCall, remat: str, ex
     # jax.checkpoint takes arrays, not modules: pass the block's state and rebuild it inside.
     graphdef, state = nnx.split(block)
     return checkpoint(lambda h, st: call(nnx.merge(graphdef, st), h, extras), remat)(x, state)
+
+
+def make_blocks(block_type: Callable[[Any, nnx.Rngs], nnx.Module], cfg: Any, rngs: nnx.Rngs,
+                n: int) -> list[nnx.Module]:
+    """``[block_type(cfg, rngs) for _ in range(n)]``, bitwise, with the construction traced once.
+
+    Each block draws a fixed number of keys from each stream of ``rngs`` (``fold_in(key, count)``,
+    the count advancing per draw), so block i's draws are those counts offset by i blocks' worth.
+    The blocks are built as one ``jax.vmap`` over that offset: the init program holds one batched
+    block instead of n (the shakespeare config's cached init executable: 341 -> 138 fusions,
+    loaded in ~0.15 s instead of ~0.45 s), and the streams end where n sequential
+    constructions leave them. A block that keeps an ``nnx.Rngs`` (e.g. for dropout) is built one
+    by one, as it would share the caller's streams.
+    """
+    streams = dict(rngs.items())
+    draws = _draws_per_block(block_type, cfg, list(streams)) if n > 1 else None
+    if draws is None:
+        return [block_type(cfg, rngs) for _ in range(n)]
+    keys = {name: s.key.get_value() for name, s in streams.items()}
+    starts = {name: s.count.get_value() for name, s in streams.items()}
+    graphdef = []
+
+    def build(i):  # block i with its own streams, counts advanced by i blocks' draws
+        own = nnx.Rngs(**keys)
+        for name in keys:
+            getattr(own, name).count.set_value(starts[name] + i * jnp.uint32(draws[name]))
+        g, state = nnx.split(block_type(cfg, own))
+        graphdef.append(g)
+        return state
+
+    stacked = jax.vmap(build)(jnp.arange(n, dtype=jnp.uint32))
+    for name, s in streams.items():
+        s.count.set_value(starts[name] + jnp.uint32(n * draws[name]))
+    return [nnx.merge(graphdef[0], jax.tree_util.tree_map(lambda x: x[i], stacked)) for i in range(n)]
+
+
+def _draws_per_block(block_type: Callable, cfg: Any, names: list[str]) -> Optional[dict[str, int]]:
+    """How many keys one block draws from each stream, from an abstract construction whose counts
+    are numpy values (so they stay concrete); None when the block keeps random state of its own."""
+    counted: dict[str, int] = {}
+
+    def probe():
+        own = nnx.Rngs(**{name: jax.random.key(0) for name in names})
+        for name in names:
+            getattr(own, name).count.set_value(np.zeros((), np.uint32))
+        block = block_type(cfg, own)
+        if not nnx.state(block, nnx.RngState):
+            counted.update({name: int(getattr(own, name).count.get_value()) for name in names})
+
+    jax.eval_shape(probe)
+    return counted or None
 
 
 def stack_blocks(blocks: list[nnx.Module]) -> nnx.Module:
@@ -148,7 +200,7 @@ class Decoder(nnx.Module):
         self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, param_dtype=jnp.dtype(pd), rngs=rngs,
                                embedding_init=nnx.initializers.normal(cfg.init_std))
         self.embed.embedding.set_metadata(axes=("vocab", "embed"))
-        blocks = [self.block_type(cfg, rngs) for _ in range(cfg.n_layers)]
+        blocks = make_blocks(self.block_type, cfg, rngs, cfg.n_layers)
         self.layers = stack_blocks(blocks) if cfg.scan_layers else nnx.List(blocks)
         self.final_norm = RMSNorm(cfg)
         if not cfg.tie_embeddings:

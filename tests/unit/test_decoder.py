@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtrain.models.decoder import REMAT_POLICIES, Decoder, checkpoint
+from jaxtrain.models.decoder import REMAT_POLICIES, Decoder, checkpoint, make_blocks
 from jaxtrain.models.llama import Llama, LlamaConfig
 from jaxtrain.models.mixtral import Mixtral, MixtralConfig
 
@@ -82,6 +82,40 @@ def test_unrolled_blocks_of_one_structure_are_traced_once_and_compute_the_same(m
         x = real(block, x, None, None)
     np.testing.assert_allclose(logits, model.head(x), rtol=1e-5, atol=1e-6)
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_blocks_built_as_one_vmap_equal_the_blocks_built_one_by_one(family):
+    from jaxtrain.models.llama.model import Block as LlamaBlock
+    from jaxtrain.models.mixtral.model import Block as MixtralBlock
+    block_type = LlamaBlock if family == "llama" else MixtralBlock
+    cfg = build(family).cfg
+
+    def blocks(make):  # 3 blocks after one draw, then one more draw: the streams must end alike
+        rngs = nnx.Rngs(params=jax.random.key(3), default=jax.random.key(5))
+        rngs.params()
+        built = make(rngs)
+        return [nnx.to_pure_dict(nnx.state(b)) for b in built], jax.random.key_data(rngs.params())
+
+    one_by_one = jax.jit(lambda: blocks(lambda r: [block_type(cfg, r) for _ in range(3)]))()
+    vmapped = jax.jit(lambda: blocks(lambda r: make_blocks(block_type, cfg, r, 3)))()
+    flat_want, flat_got = jax.tree_util.tree_leaves(one_by_one), jax.tree_util.tree_leaves(vmapped)
+    assert len(flat_got) == len(flat_want) > 3
+    for want, got in zip(flat_want, flat_got):
+        assert np.asarray(want).tobytes() == np.asarray(got).tobytes()  # bitwise: the same draws
+    # and the layers differ from one another (each drew its own keys)
+    assert not np.array_equal(vmapped[0][0]["attn"]["wq"], vmapped[0][1]["attn"]["wq"])
+
+
+def test_a_block_that_keeps_its_own_rngs_is_built_one_by_one():
+    class Noisy(nnx.Module):  # keeps a stream, as a dropout layer does: it shares the caller's
+        def __init__(self, cfg, rngs):
+            self.w = nnx.Param(jax.random.normal(rngs.params(), (2,)))
+            self.rngs = rngs
+
+    rngs = nnx.Rngs(params=0)
+    built = make_blocks(Noisy, None, rngs, 3)
+    assert all(b.rngs is rngs for b in built) and int(rngs.params.count.get_value()) == 3
 
 
 def test_both_families_are_the_shared_decoder_with_their_own_block():

@@ -39,7 +39,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     xla_flags.apply_gpu_defaults()  # before JAX starts its backend; nothing on a machine without CUDA
 
     def body() -> None:
+        from jaxtrain.metrics import peak_cache
         enable_compilation_cache()
+        peak_cache.enable()  # the CPU matmul peak MFU divides by, measured once a day per host
         log_to_console()
         from jaxtrain.config import load
         from jaxtrain.runtime import heartbeat, join

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain.config import Config
+from jaxtrain.metrics import peak_cache
 
 # Dense (no sparsity) peak FLOP/s per chip and matmul dtype, checked in order (first
 # substring of the lowercased ``device_kind`` wins, so specific names come first).
@@ -97,7 +98,8 @@ def total_peak_flops(cfg: Config, devices, calibrate: bool = True) -> tuple[Opti
     """Peak FLOP/s of the whole mesh and where it came from.
 
     Order: ``train.peak_tflops`` (per device, x device count) if set; on CPU a
-    matmul timed now in this process (the host's rate, not multiplied by the
+    matmul timed now in this process, or kept from an earlier run on this host when the
+    command line enabled :mod:`jaxtrain.metrics.peak_cache` (the host's rate, not multiplied by the
     number of simulated devices, times the number of processes: each calibrates its own host;
     ``calibrate=False`` skips it -> None); else the
     table for the device kind and ``model.dtype`` (float32 when the model section has
@@ -113,8 +115,9 @@ def total_peak_flops(cfg: Config, devices, calibrate: bool = True) -> tuple[Opti
         if not calibrate:
             return None, "cpu (calibration skipped)"
         hosts = jax.process_count()  # each process calibrates its own host; the mesh spans them all
-        return (calibrate_cpu_flops(dtype=dtype) * hosts,
-                f"calibrated host {dtype} matmul" + (f" x {hosts} processes" if hosts > 1 else ""))
+        host, age = peak_cache.peak(dtype, lambda: calibrate_cpu_flops(dtype=dtype))
+        return (host * hosts, f"calibrated host {dtype} matmul" + (f" x {hosts} processes" if hosts > 1 else "")
+                + (f", kept from {age / 60:.0f} min ago" if age is not None else ""))
     peak = device_peak_flops(devices[0], dtype)
     if peak is None:
         return None, f"no peak for device kind '{devices[0].device_kind}' / {dtype} (set train.peak_tflops)"

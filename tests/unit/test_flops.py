@@ -1,11 +1,12 @@
 """FLOPs accounting against XLA's own count, the peak table, and MFU n/a for unknown devices."""
+import json
 from types import SimpleNamespace
 
 import jax
 import pytest
 
 from jaxtrain import config as cfglib
-from jaxtrain.metrics import flops
+from jaxtrain.metrics import flops, peak_cache
 from jaxtrain.models.llama import flops as llama_flops
 from jaxtrain.train import setup
 from jaxtrain.train.step import count_params
@@ -70,6 +71,33 @@ def test_cpu_peak_is_measured_in_process(monkeypatch):
     assert flops.total_peak_flops(cfg, jax.devices()[:8]) == (123e9, "calibrated host float32 matmul")
     assert flops.mfu(1000.0, 1e6, 123e9) == pytest.approx(1e9 / 123e9)
     assert flops.mfu(1000.0, None, 123e9) is None  # a model without a FLOPs formula: MFU n/a
+
+
+def test_the_cpu_peak_is_kept_per_host_for_a_day_once_the_cli_enables_it(monkeypatch, tmp_path):
+    measured = []
+    monkeypatch.setattr(flops, "calibrate_cpu_flops", lambda dtype: measured.append(dtype) or 100e9 + len(measured))
+    cfg = cfglib.load(None, [])
+    assert flops.total_peak_flops(cfg, jax.devices()[:1])[0] == 100e9 + 1  # not enabled: measured each time
+    path = tmp_path / "cache" / "peak.json"
+    peak_cache.enable(path)
+    try:
+        assert flops.total_peak_flops(cfg, jax.devices()[:1]) == (100e9 + 2, "calibrated host float32 matmul")
+        kept = flops.total_peak_flops(cfg, jax.devices()[:1])
+        assert kept == (100e9 + 2, "calibrated host float32 matmul, kept from 0 min ago") and len(measured) == 2
+        assert peak_cache.peak("bfloat16", lambda: 7.0) == (7.0, None)  # another dtype: its own entry
+        entries = json.loads(path.read_text())
+        assert set(entries) == {peak_cache.host_key("float32"), peak_cache.host_key("bfloat16")}
+        # A day later the figure is measured again; a damaged file is only a cache miss.
+        entries[peak_cache.host_key("float32")]["at"] -= peak_cache.MAX_AGE_S
+        path.write_text(json.dumps(entries))
+        assert flops.total_peak_flops(cfg, jax.devices()[:1])[0] == 100e9 + 3
+        path.write_text("{not json")
+        assert peak_cache.peak("float32", lambda: 5.0) == (5.0, None)
+        assert peak_cache.peak("float32", lambda: 6.0) == (5.0, pytest.approx(0.0, abs=60))
+        monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_thunk_runtime=true")  # other XLA flags: another figure
+        assert peak_cache.peak("float32", lambda: 8.0) == (8.0, None)
+    finally:
+        peak_cache.disable()
 
 
 def test_gpu_benchmark_config_validates_and_lowers():

@@ -43,7 +43,7 @@ def measure(overrides: list[str], steps: int) -> tuple[float, float]:
     """(median seconds per step, compiled peak bytes per device) of the train step under ``overrides``."""
     cfg = cfglib.load("shakespeare_char", [f"data.path={default_corpus()}", "train.global_batch=32", *overrides])
     s = setup(cfg, jax.devices(), load_data=True)
-    state = s.fns.init()
+    state = jax.block_until_ready(s.fns.init())  # as the trainer: init done before the first step
     batches = s.data.iterator(s.fns.batch_sharding)
     batch = next(batches)
     step = s.fns.train_step.lower(state, batch).compile()

@@ -166,7 +166,11 @@ def resume(s: Setup, ckpt: Optional[Checkpointer], batches, run_dir: Path, out: 
     steps = ckpt.restorable() if ckpt else []  # one listing (and marker read) per start
     if not steps:
         out.info(f"run directory: {run_dir}")
-        return s.fns.init()
+        # Finished before any other program is dispatched: on a CPU mesh, the init program's collectives
+        # (a pipelined model's layers are regrouped by stage) and the first step's could otherwise be in
+        # flight together and starve each other of threads (an abort after 40 s; a warm compile
+        # cache makes the step ready that soon).
+        return jax.block_until_ready(s.fns.init())
     shape_keys, notes = rundir.resume_changes(s.cfg, run_dir)
     for note in notes:
         out.info(f"[yellow]note:[/] {note}")

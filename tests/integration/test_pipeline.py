@@ -34,7 +34,7 @@ def batches(corpus_path) -> np.ndarray:
 def losses_of(overrides, batches, devices) -> list[float]:
     cfg = cfglib.load(None, [*MODEL, *overrides])
     fns = setup(cfg, devices, vocab=VOCAB).fns
-    state, out = fns.init(), []
+    state, out = jax.block_until_ready(fns.init()), []  # as the trainer: init done before the first step
     for w in batches:
         w = w.reshape(cfg.train.grad_accum, -1, w.shape[-1])
         state, metrics = fns.train_step(state, put_windows(w, fns.batch_sharding))

@@ -41,11 +41,12 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxtrain.checkpoint import integrity, layer_layout, processes, retention, storage
-from jaxtrain.checkpoint.integrity import mismatches, tree_summary
+from jaxtrain.checkpoint import integrity, processes, retention, storage
+from jaxtrain.checkpoint.integrity import tree_summary
 from jaxtrain.checkpoint.layout import FORMAT, MARKER, PENDING, Layout, pending_name
 from jaxtrain.checkpoint.pending import FIRST_NOTE_S, NOTE_EVERY_S, CommitWork, PendingSave, wait_for
 from jaxtrain.checkpoint.processes import agree, primary, sync
+from jaxtrain.checkpoint.restoring import Restoring
 from jaxtrain.config import Config
 from jaxtrain.errors import CheckpointError, SaveTimeoutError, StorageError
 
@@ -54,7 +55,7 @@ __all__ = ["Checkpointer", "abstract_like", "MARKER", "FORMAT", "PENDING", "pend
            "PendingSave", "CommitWork", "FIRST_NOTE_S", "NOTE_EVERY_S", "CheckpointError"]
 
 
-class Checkpointer:
+class Checkpointer(Restoring):
     """Saves and restores ``{'state', 'data', 'config'}`` steps; see the module docstring.
 
     Args:
@@ -176,6 +177,35 @@ class Checkpointer:
         if not self.options.async_save:
             self.finish()
         return blocking
+
+    def started(self, step: int) -> bool:
+        """Whether a save of ``step`` is pending: started, neither committed nor discarded yet."""
+        return self._pending is not None and self._pending.step == step
+
+    def set_metrics(self, step: int, metrics: dict) -> None:
+        """The metrics the marker of pending ``step`` records, for a save started before its step's
+        evaluation was done (``checkpoint.keep_best`` ranks by them at the commit)."""
+        if self.started(step):
+            self._pending.metrics = dict(metrics)
+
+    def abandon(self, step: int, error: BaseException) -> None:
+        """Pending ``step`` is never committed: once Orbax has written it, its files are removed and
+        ``error`` is reported as its failure (a save started before its step's evaluation found a
+        non-finite loss). Nothing happens when no save of ``step`` is pending.
+
+        Raises:
+          SaveTimeoutError: Orbax's write is past ``checkpoint.save_timeout_s``.
+        """
+        if not self.started(step):
+            return
+        p, self._pending = self._pending, None
+        try:
+            self._orbax_done(p)
+        except SaveTimeoutError:
+            raise
+        except Exception:  # noqa: BLE001 - discarded either way
+            pass
+        self._discard(p, error)
 
     def poll(self) -> None:
         """Commits the pending save if it has finished (cheap; call once per step).
@@ -318,70 +348,6 @@ class Checkpointer:
                 shutil.rmtree(Path(self.directory / str(step)), ignore_errors=True)
             sync("jaxtrain_ckpt_staging_dropped")
             self.manager.reload()
-
-    # ------------------------------------------------------------------ restoring
-
-    def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
-        """Restores committed ``step`` into the shardings and dtypes of ``abstract_state``
-        (ShapeDtypeStructs with shardings: any mesh, any device count).
-
-        Raises:
-          CheckpointError: ``step`` is not committed, or the saved tree differs from the current
-            model: the message lists every mismatched path with saved and expected shape/dtype.
-          CorruptCheckpointError: a file of ``step`` differs in size or CRC32C from its marker.
-        """
-        info, as_saved = self._checked_marker(step, abstract_state)
-        if self.remote:  # into the staging directory, shared by the processes like Orbax's own
-            t0 = time.perf_counter()
-            nbytes = self.store.download(str(step), Path(self.directory / str(step))) if primary() else 0
-            sync("jaxtrain_ckpt_downloaded")
-            self.last_download = {"bytes": nbytes, "seconds": time.perf_counter() - t0}
-            self.manager.reload()
-        try:
-            local = Path(self.directory / str(step))
-            actual = integrity.local_manifest(local) if self.remote else self.store.manifest(str(step))
-            integrity.check(step, self.store.url, info.get("files"), actual)
-            out = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(as_saved), data=ocp.args.JsonRestore()))
-        except (ValueError, KeyError, TypeError, FileNotFoundError) as err:
-            raise CheckpointError(f"checkpoint step {step} in {self.store.url} cannot be read: {err}") from err
-        finally:
-            if self.remote:
-                sync("jaxtrain_ckpt_restored")
-            self._drop_staging(step)
-        return layer_layout.convert(out["state"], abstract_state), dict(out["data"])
-
-    def _checked_marker(self, step: int, abstract_state: Any) -> tuple[dict, Any]:
-        """(``step``'s marker, ``abstract_state`` in the layer layout it was saved in), once it is
-        known to fit (before any file is read; :mod:`jaxtrain.checkpoint.layer_layout`).
-
-        Raises:
-          CorruptCheckpointError: the marker is damaged.
-          CheckpointError: there is no marker, or the saved tree differs from ``abstract_state``.
-        """
-        info, why = self.layout.marker_state(step)
-        if why:
-            raise integrity.corrupt(step, self.store.url, [f"{MARKER} {why}"])
-        if info is None:
-            raise CheckpointError(f"checkpoint step {step} in {self.store.url} is not committed "
-                                  f"(no valid {MARKER}); committed steps: {list(self.committed())}")
-        as_saved = layer_layout.saved_layout(abstract_state, info["tree"])
-        if as_saved is None:
-            bad = mismatches(info["tree"], tree_summary(abstract_state))
-            raise CheckpointError(
-                f"checkpoint step {step} in {self.store.url} does not match the current config "
-                f"({len(bad)} mismatched paths):\n  " + "\n  ".join(bad))
-        return info, as_saved
-
-    def set_aside(self, step: int) -> str:
-        """Moves committed ``step`` out of the way as ``<step>.corrupt`` (kept, never restored). Returns the name."""
-        name = self.layout.set_aside_name(step)
-        if primary():
-            self.layout.move_aside(step, name)
-        sync("jaxtrain_ckpt_set_aside")
-        if not self.remote:
-            self.manager.reload()
-        return name
 
     def wait(self) -> None:
         """Waits for the pending save and commits it (as :meth:`finish`, without the outcome)."""

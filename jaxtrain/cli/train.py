@@ -17,6 +17,7 @@ import sys
 from typing import Optional, Sequence
 
 from jaxtrain.cli.common import add_config_args, cli, config_args, enable_compilation_cache, log_to_console, prog
+from jaxtrain.metrics import peak_cache
 from jaxtrain.runtime import signals, xla_flags
 
 
@@ -33,28 +34,34 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # Automatic garbage collection is off from here, as in the loop (train.hooks.GarbageCollection,
     # torchtitan disables it at its trainer's start too): imports and tracing make millions of
     # long-lived objects, and the full collections they set off took ~0.1-0.3 s of a 4 s start.
-    # train.gc_every=0 turns it back on once the config is read.
+    # train.gc_every=0 turns it back on once the config is read; a main() called in-process
+    # leaves the collector and the peak cache as it found them.
+    collecting = gc.isenabled()
     gc.disable()
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    xla_flags.apply_gpu_defaults()  # before JAX starts its backend; nothing on a machine without CUDA
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+        xla_flags.apply_gpu_defaults()  # before JAX starts its backend; nothing on a machine without CUDA
 
-    def body() -> None:
-        from jaxtrain.metrics import peak_cache
-        enable_compilation_cache()
-        peak_cache.enable()  # the CPU matmul peak MFU divides by, measured once a day per host
-        log_to_console()
-        from jaxtrain.config import load
-        from jaxtrain.runtime import heartbeat, join
-        from jaxtrain.train import fit
-        signals.check_startup()
-        cfg = load(args.config, args.overrides)
-        if not cfg.train.gc_every:
+        def body() -> None:
+            enable_compilation_cache()
+            peak_cache.enable()  # the CPU matmul peak MFU divides by, measured once a day per host
+            log_to_console()
+            from jaxtrain.config import load
+            from jaxtrain.runtime import heartbeat, join
+            from jaxtrain.train import fit
+            signals.check_startup()
+            cfg = load(args.config, args.overrides)
+            if not cfg.train.gc_every and collecting:
+                gc.enable()
+            join.start(cfg.distributed)  # before anything touches a device
+            signals.check_startup()
+            fit(cfg)
+            heartbeat.end_run()
+        return cli(body)
+    finally:
+        peak_cache.disable()
+        if collecting:
             gc.enable()
-        join.start(cfg.distributed)  # before anything touches a device
-        signals.check_startup()
-        fit(cfg)
-        heartbeat.end_run()
-    return cli(body)
 
 
 if __name__ == "__main__":

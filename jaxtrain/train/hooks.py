@@ -228,18 +228,35 @@ class Checkpointing(Hook):
     def __init__(self, ckpt: Checkpointer):
         self.ckpt = ckpt
 
+    def on_start(self, loop: TrainLoop) -> None:
+        loop.while_evaluating.append(self.save_last_early)
+
+    def save_last_early(self, loop: TrainLoop, step: int) -> None:
+        """Starts the last step's save while its evaluation runs (the state is final; the marker gets
+        the evaluation's metrics before it is committed), so the two overlap: a one-step shakespeare
+        run spent ~0.2 s after the evaluation waiting for Orbax. Async saves only (a synchronous
+        save commits at once); a save the evaluation finds diverged is abandoned (``stop_diverged``)."""
+        ckpt = self.ckpt
+        last = step == loop.cfg.train.steps and step > loop.start  # trained here (not a resumed final step)
+        if last and ckpt.options.async_save and ckpt.due(step, final=True):
+            jax.block_until_ready(loop.state)
+            ckpt.save(step, loop.state, loop.batches.get_state())
+
     def after_step(self, loop: TrainLoop, rec: StepRecord) -> Optional[int]:
         ckpt = self.ckpt
         # During a run of skipped steps the params do not change: a periodic save would only rotate
         # older (good) checkpoints away.
         saving = bool(rec.stop) or (ckpt.due(rec.step, final=rec.last) and (rec.last or not rec.skipped.streak))
-        if saving:
+        if saving or ckpt.started(rec.step):
             evaluation = rec.evaluation
             if evaluation is None and loop.cfg.checkpoint.keep_best:
                 evaluation = loop.evaluate(rec.step)  # best-K needs this step's metric
-            jax.block_until_ready(loop.state)  # the steps in flight are training time, not the save's
             metrics = {k: v for k, v in (evaluation or {}).items() if k != "eval_time_s"}
-            ckpt.save(rec.step, loop.state, loop.batches.get_state(), metrics)
+            if ckpt.started(rec.step):  # started while the step was evaluated
+                ckpt.set_metrics(rec.step, metrics)
+            else:
+                jax.block_until_ready(loop.state)  # the steps in flight are training time, not the save's
+                ckpt.save(rec.step, loop.state, loop.batches.get_state(), metrics)
         ckpt.poll()
         if not rec.stop:
             return None

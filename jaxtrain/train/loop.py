@@ -31,11 +31,14 @@ from jaxtrain.train.assembly import Setup
 MAX_IN_FLIGHT = 2
 
 
-def stop_diverged(ckpt: Any, message: str) -> None:
-    """Lets a save already under way commit (it holds params from before the divergence), then raises
+def stop_diverged(ckpt: Any, message: str, step: Optional[int] = None) -> None:
+    """Lets a save already under way commit (it holds params from before the divergence), unless it
+    is of ``step`` itself (the step found diverged: its save is abandoned), then raises
     :class:`NonFiniteError` with ``message`` and the last good checkpoint."""
     last = None
     if ckpt is not None:
+        if step is not None:
+            ckpt.abandon(step, NonFiniteError(message))
         ckpt.wait()
         last = ckpt.latest_step()
     where = f"step {last} in {ckpt.store.url}" if last is not None else "none (no checkpoint saved)"
@@ -180,6 +183,9 @@ class TrainLoop:
     paused: dict = field(default_factory=lambda: {"evaluation": 0.0, "checkpoint": 0.0})
     last_eval: dict = field(default_factory=dict)  # {'step', 'val_loss', ...} of the latest evaluation
     record: Optional[StepRecord] = None  # the latest step's, after every hook ran
+    # Called with the step while an evaluation runs on the devices (e.g. Checkpointing starts the
+    # final save then, so Orbax writes while the devices evaluate).
+    while_evaluating: list = field(default_factory=list)
 
     @property
     def cfg(self):
@@ -216,6 +222,8 @@ class TrainLoop:
         work = self.begin("the evaluation", step, scale=max(1.0, self.n_val / self.cfg.train.grad_accum))
         outs = self.setup.fns.evaluate(self.state["params"], self.val)  # one program
         work.until(outs["loss"])
+        for fn in self.while_evaluating:
+            fn(self, step)
         outs = {k: np.asarray(v, np.float64) for k, v in jax.device_get(outs).items()}
         w = outs.pop("weight")
         keys = ["loss", *sorted(k for k in outs if k != "loss")]
@@ -226,7 +234,8 @@ class TrainLoop:
             self.write(step, row)
             self.last_eval = {"step": step, **row}
         if not np.isfinite(row["val_loss"]):
-            stop_diverged(self.ckpt, f"the validation loss is {row['val_loss']} at step {step}: the run diverged")
+            stop_diverged(self.ckpt, f"the validation loss is {row['val_loss']} at step {step}: the run diverged",
+                          step)
         return row
 
     def run(self, hooks: Sequence[Hook]) -> None:

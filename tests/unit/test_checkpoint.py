@@ -209,6 +209,26 @@ def test_policy_in_a_run_keeps_last_and_best(small_cfg):
     assert all(0 <= r["save_blocking_s"] <= r["save_total_s"] for r in saved)
 
 
+def test_the_last_save_starts_while_the_last_evaluation_runs_and_records_its_metrics(small_cfg, monkeypatch):
+    from jaxtrain.train import Hook
+    save, seen, loops = ckptlib.Checkpointer.save, [], []
+
+    class Keep(Hook):
+        def on_start(self, loop):
+            loops.append(loop)
+
+    def spy(self, step, *a, **k):  # was this step's evaluation already read when its save began?
+        seen.append((step, loops[0].last_eval.get("step") == step))
+        return save(self, step, *a, **k)
+    monkeypatch.setattr(ckptlib.Checkpointer, "save", spy)
+    cfg = small_cfg("train.steps=4", "train.eval_every=2", "checkpoint.every=2", "mesh.data=1")
+    result = fit(cfg, devices=jax.devices()[:1], quiet=True, hooks=[Keep()])
+    assert seen == [(2, True), (4, False)]  # step 2 after its evaluation; the last one during it
+    committed = ckptlib.Checkpointer(cfg, result.run_dir).committed()
+    evals = {r["step"]: r["val_loss"] for r in result.rows if "val_loss" in r}
+    assert sorted(committed) == [2, 4] and all(committed[s]["metrics"] == {"val_loss": evals[s]} for s in (2, 4))
+
+
 def test_save_due_by_steps_seconds_and_final(small_cfg, monkeypatch):
     from jaxtrain.checkpoint import checkpointer as mod
     clock = [1000.0]

@@ -104,3 +104,19 @@ def test_a_nonfinite_validation_loss_fails_and_is_never_saved(small_cfg, monkeyp
     rows = [r for r in map(__import__("json").loads, open(cfg.run.dir + "/metrics.jsonl")) if "val_loss" in r]
     assert [r["step"] for r in rows] == [2] and np.isnan(rows[0]["val_loss"])
 
+
+
+def test_a_last_save_begun_before_a_nonfinite_evaluation_is_removed_not_committed(small_cfg, monkeypatch):
+    _poison(monkeypatch, val=True)
+    cfg = small_cfg("train.steps=4", "train.eval_every=1000", "checkpoint.every=2", "mesh.data=1")
+    with pytest.raises(NonFiniteError) as err:
+        fit(cfg, devices=jax.devices()[:1], quiet=True)
+    assert str(err.value) == ("the validation loss is nan at step 4: the run diverged; stopping. The last good "
+                              f"checkpoint is step 2 in {cfg.run.dir}/checkpoints")
+    ckpt = ckptlib.Checkpointer(cfg, cfg.run.dir)
+    assert list(ckpt.committed()) == [2] and not (ckpt.store.root / "4").exists()
+    ckpt.close()
+    rows = [r for r in map(__import__("json").loads, open(cfg.run.dir + "/metrics.jsonl"))]
+    failed = [r for r in rows if "checkpoint_failed" in r]
+    assert [(r["step"], r["latest_committed"]) for r in failed] == [(4, 2)]
+    assert failed[0]["checkpoint_failed"].startswith("NonFiniteError: the validation loss is nan at step 4")

@@ -162,6 +162,38 @@ def ordered(hooks: Sequence[Hook]) -> list[Hook]:
     return out
 
 
+class Lookahead:
+    """The loop's batches with one fetched ahead: :meth:`fetch`, called once a step is dispatched,
+    assembles the next batch while the devices run the step (with ``train.log_every=1`` the host
+    would otherwise assemble it while they sit idle). :meth:`get_state` is the position of the next
+    batch the loop will take, the held one included, so a checkpoint resumes with it."""
+
+    def __init__(self, inner: Iterator):
+        self.inner = inner.inner if isinstance(inner, Lookahead) else inner
+        self.held: Optional[tuple[dict, Any]] = None  # (the inner iterator's state before it, the batch)
+
+    def fetch(self) -> None:
+        if self.held is None:
+            state = self.inner.get_state()
+            self.held = (state, next(self.inner))
+
+    def __iter__(self) -> Iterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self.held is None:
+            return next(self.inner)
+        batch, self.held = self.held[1], None
+        return batch
+
+    def get_state(self) -> dict:
+        return self.held[0] if self.held is not None else self.inner.get_state()
+
+    def set_state(self, state: dict) -> None:
+        self.held = None
+        self.inner.set_state(state)
+
+
 @dataclass
 class TrainLoop:
     """The loop and everything it owns: the run, the live state, where rows go, the timers, the
@@ -247,6 +279,7 @@ class TrainLoop:
             for hook in hooks:
                 hook.on_start(self)
             cadence = [(h, self._every(h)) for h in hooks]
+            self.batches = Lookahead(self.batches)  # after on_start: a hook may have wrapped them
             for step in range(self.start + 1, self.cfg.train.steps + 1):
                 t0 = time.perf_counter()
                 batch = next(self.batches)
@@ -260,6 +293,10 @@ class TrainLoop:
                 work = self.begin("the train step", step)
                 self.state, metrics = step_fn(self.state, batch)
                 work.until(metrics["loss"])
+                if step < self.cfg.train.steps:  # the next batch, assembled while this step runs
+                    t0 = time.perf_counter()
+                    self.batches.fetch()
+                    self.data_wait_s += time.perf_counter() - t0
                 rec = self._after_step(cadence, StepRecord(step, metrics, step == self.cfg.train.steps))
                 if rec.stop:
                     break

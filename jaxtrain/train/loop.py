@@ -16,7 +16,7 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import jax
 import numpy as np
@@ -169,7 +169,7 @@ class Lookahead:
     batch the loop will take, the held one included, so a checkpoint resumes with it."""
 
     def __init__(self, inner: Iterator):
-        self.inner = inner.inner if isinstance(inner, Lookahead) else inner
+        self.inner = inner
         self.held: Optional[tuple[dict, Any]] = None  # (the inner iterator's state before it, the batch)
 
     def fetch(self) -> None:
@@ -215,9 +215,9 @@ class TrainLoop:
     paused: dict = field(default_factory=lambda: {"evaluation": 0.0, "checkpoint": 0.0})
     last_eval: dict = field(default_factory=dict)  # {'step', 'val_loss', ...} of the latest evaluation
     record: Optional[StepRecord] = None  # the latest step's, after every hook ran
-    # Called with the step while an evaluation runs on the devices (e.g. Checkpointing starts the
-    # final save then, so Orbax writes while the devices evaluate).
-    while_evaluating: list = field(default_factory=list)
+    # fn(loop, step), called while an evaluation runs on the devices (e.g. Checkpointing starts the
+    # last step's save then, so Orbax writes while the devices evaluate).
+    while_evaluating: list[Callable[["TrainLoop", int], None]] = field(default_factory=list)
 
     @property
     def cfg(self):
@@ -279,7 +279,8 @@ class TrainLoop:
             for hook in hooks:
                 hook.on_start(self)
             cadence = [(h, self._every(h)) for h in hooks]
-            self.batches = Lookahead(self.batches)  # after on_start: a hook may have wrapped them
+            if not isinstance(self.batches, Lookahead):  # after on_start: a hook may have wrapped them
+                self.batches = Lookahead(self.batches)
             for step in range(self.start + 1, self.cfg.train.steps + 1):
                 t0 = time.perf_counter()
                 batch = next(self.batches)

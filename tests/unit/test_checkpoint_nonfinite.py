@@ -91,32 +91,25 @@ def test_a_run_that_skipped_every_step_fails(small_cfg, monkeypatch):
     ckpt.close()
 
 
-def test_a_nonfinite_validation_loss_fails_and_is_never_saved(small_cfg, monkeypatch):
+@pytest.mark.parametrize("steps, eval_every, every, bad, good", [
+    (6, 2, 1, 2, 1),  # a periodic evaluation finds it: the step's save is never begun
+    (4, 1000, 2, 4, 2),  # the last: its save began while it was evaluated, and is removed
+], ids=["periodic", "last"])
+def test_a_nonfinite_validation_loss_fails_and_is_never_saved(small_cfg, monkeypatch, steps, eval_every, every,
+                                                              bad, good):
     _poison(monkeypatch, val=True)
-    cfg = small_cfg("train.steps=6", "train.eval_every=2", "checkpoint.every=1", "mesh.data=1")
+    cfg = small_cfg(f"train.steps={steps}", f"train.eval_every={eval_every}", f"checkpoint.every={every}",
+                    "mesh.data=1")
     with pytest.raises(NonFiniteError) as err:
         fit(cfg, devices=jax.devices()[:1], quiet=True)
-    assert str(err.value) == ("the validation loss is nan at step 2: the run diverged; stopping. The last good "
-                              f"checkpoint is step 1 in {cfg.run.dir}/checkpoints")
+    assert str(err.value) == (f"the validation loss is nan at step {bad}: the run diverged; stopping. The last "
+                              f"good checkpoint is step {good} in {cfg.run.dir}/checkpoints")
     ckpt = ckptlib.Checkpointer(cfg, cfg.run.dir)
-    assert list(ckpt.committed()) == [1]
+    assert list(ckpt.committed()) == [good] and not (ckpt.store.root / str(bad)).exists()
     ckpt.close()
-    rows = [r for r in map(__import__("json").loads, open(cfg.run.dir + "/metrics.jsonl")) if "val_loss" in r]
-    assert [r["step"] for r in rows] == [2] and np.isnan(rows[0]["val_loss"])
-
-
-
-def test_a_last_save_begun_before_a_nonfinite_evaluation_is_removed_not_committed(small_cfg, monkeypatch):
-    _poison(monkeypatch, val=True)
-    cfg = small_cfg("train.steps=4", "train.eval_every=1000", "checkpoint.every=2", "mesh.data=1")
-    with pytest.raises(NonFiniteError) as err:
-        fit(cfg, devices=jax.devices()[:1], quiet=True)
-    assert str(err.value) == ("the validation loss is nan at step 4: the run diverged; stopping. The last good "
-                              f"checkpoint is step 2 in {cfg.run.dir}/checkpoints")
-    ckpt = ckptlib.Checkpointer(cfg, cfg.run.dir)
-    assert list(ckpt.committed()) == [2] and not (ckpt.store.root / "4").exists()
-    ckpt.close()
-    rows = [r for r in map(__import__("json").loads, open(cfg.run.dir + "/metrics.jsonl"))]
-    failed = [r for r in rows if "checkpoint_failed" in r]
-    assert [(r["step"], r["latest_committed"]) for r in failed] == [(4, 2)]
-    assert failed[0]["checkpoint_failed"].startswith("NonFiniteError: the validation loss is nan at step 4")
+    rows = list(map(__import__("json").loads, open(cfg.run.dir + "/metrics.jsonl")))
+    evals = [r for r in rows if "val_loss" in r]
+    assert [r["step"] for r in evals] == [bad] and np.isnan(evals[0]["val_loss"])
+    failed = [(r["step"], r["latest_committed"], r["checkpoint_failed"].split(":")[0]) for r in rows
+              if "checkpoint_failed" in r]
+    assert failed == ([(bad, good, "NonFiniteError")] if bad == steps else [])

@@ -260,9 +260,9 @@ def _fresh_state(s, params: dict) -> dict:
         x.shape == a.shape and x.dtype == a.dtype
         for x, a in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(abstract)))
     if not same:  # the step's init changed shape: take it, and put the params in
-        state = jax.block_until_ready(s.fns.init())  # done before any step: see train.trainer.resume
+        state = s.fns.init()
         state["params"] = params
-    return jax.block_until_ready(state)
+    return jax.block_until_ready(state)  # done before any step is dispatched: see train.trainer.resume
 
 
 def _single_device(cfg: Config) -> Config:

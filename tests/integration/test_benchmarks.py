@@ -36,3 +36,14 @@ def test_vs_nanogpt_runs_the_real_nanogpt_and_jaxtrain():
     assert m.group(1) and nano > 0 and ours > 0 and nano_ms > 0 and our_ms > 0  # the CPU model is named
     assert ratio == pytest.approx(nano / ours, rel=0.03)  # times printed to 0.1 s
     assert steady == pytest.approx(nano_ms / our_ms, rel=0.03)
+
+
+def test_moe_kernels_prints_each_case_against_the_dense_swiglu():
+    out = run_quick("moe_kernels.py")
+    table = out.split("max rel. diff\n", 1)[1]
+    rows = {line[:20].strip(): tuple(map(float, line[20:].replace("x", "").split()[:2]))
+            for line in table.splitlines() if line.strip()}
+    assert list(rows) == ["dense 2-D", "per-expert 2-D", "batched [E, M/E]", "dropless blocked", "ragged_dot"], out
+    dense = rows["dense 2-D"][0]
+    for ms, ratio in rows.values():  # times printed to 0.01 ms, ratios to 0.01
+        assert ms > 0 and ratio == pytest.approx(ms / dense, abs=0.01 + 0.01 * ratio)

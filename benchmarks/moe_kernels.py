@@ -1,0 +1,171 @@
+"""The routed experts' matmuls on XLA:CPU against the dense SwiGLU of the same active parameters.
+
+    python benchmarks/moe_kernels.py [--rounds 5] [--iters 20] [--write-results] [--quick]
+
+What bounds a dropless MoE step on CPU, one layer's experts at a time. The shapes are
+``configs/moe_shakespeare.yaml`` at global batch 16: T = 1024 tokens of d_model 128, 8 experts of
+d_ff 192, top-2, so M = 2048 routed copies; its dense twin (``configs/shakespeare_char.yaml``)
+has d_ff 384: the same FLOPs per token. The routing is balanced (M/E copies per expert), so every
+expert formulation below does the same useful work; each is timed as one jitted forward and
+backward (the gradient of sum(y^2) with respect to the tokens and the three weights):
+
+  dense 2-D           the dense SwiGLU, [T, 128] x [128, 384]: the cost to match
+  per-expert 2-D      one 2-D SwiGLU per expert on its M/E copies (static slices): the best a
+                      grouped GEMM could do with XLA:CPU's 2-D matmuls, and only possible when the
+                      group sizes are known at compile time
+  batched [E, M/E]    one batched matmul over the experts' buffers: capacity routing at factor 1.0
+  dropless blocked    jaxtrain's CPU dropless path (``jaxtrain.kernels.moe._blocked_swiglu``):
+                      copies sorted by expert in B-row blocks, each block's weights gathered
+  ragged_dot          ``jax.lax.ragged_dot`` on the sorted copies, which XLA:CPU expands into
+                      one masked dense matmul per expert (E x the FLOPs)
+
+The cases alternate within each round; a case's figure is the median over rounds of its median
+time. Every expert formulation's gradients are checked against the per-expert 2-D ones (the
+largest relative difference is printed). ``--write-results`` appends rows to RESULTS.md.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from _bench import append_result_row, commit, hardware
+
+from jaxtrain.kernels import moe as kernels
+
+TOKENS, D_MODEL, D_FF, N_EXP, TOP_K = 1024, 128, 192, 8, 2
+HEADER = "| date (UTC) | hardware | commit | case | ms (fwd+bwd, median) | vs dense 2-D | max rel. diff |"
+INTRO = ("## MoE expert matmuls vs the dense SwiGLU (benchmarks/moe_kernels.py)\n\nOne layer, forward and backward: "
+         f"{TOKENS} tokens, d_model {D_MODEL}, {N_EXP} experts of d_ff {D_FF}, top-{TOP_K} "
+         f"(balanced routing) against a dense d_ff {TOP_K * D_FF}.")
+
+
+def swiglu(x, wg, wu, wd):
+    """x [rows, D] through one SwiGLU: [D, F], [D, F], [F, D] -> [rows, D]."""
+    return (jax.nn.silu(x @ wg) * (x @ wu)) @ wd
+
+
+def balanced_routing(tokens: int, n_exp: int, k: int, seed: int = 0) -> np.ndarray:
+    """expert [tokens * k] int32 (token-major): each expert gets tokens*k/n_exp copies and a token's k
+    copies go to k different experts (token t: experts e_t, e_t + 1, ... mod n_exp, e_t shuffled)."""
+    first = np.random.default_rng(seed).permutation(np.arange(tokens) % n_exp)
+    return ((first[:, None] + np.arange(k)[None, :]) % n_exp).reshape(-1).astype(np.int32)
+
+
+def expert_cases(expert: np.ndarray) -> dict[str, Callable]:
+    """name -> f(rows [M, D], wg [E, D, F], wu, wd [E, F, D]) -> [M, D] (each row through its expert)."""
+    n_exp, m = N_EXP, expert.shape[0]
+    order = np.argsort(expert, kind="stable")  # static: the routing is fixed for the benchmark
+    sizes = np.bincount(expert, minlength=n_exp)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    inverse = np.argsort(order)
+
+    def per_expert(rows, wg, wu, wd):
+        xs = rows[order]
+        ys = [swiglu(xs[s:s + n], wg[e], wu[e], wd[e]) for e, (s, n) in enumerate(zip(starts, sizes))]
+        return jnp.concatenate(ys)[inverse]
+
+    def batched(rows, wg, wu, wd):
+        xs = rows[order].reshape(n_exp, m // n_exp, -1)
+        h = jax.nn.silu(jnp.einsum("emd,edf->emf", xs, wg)) * jnp.einsum("emd,edf->emf", xs, wu)
+        return jnp.einsum("emf,efd->emd", h, wd).reshape(m, -1)[inverse]
+
+    def blocked(rows, wg, wu, wd):
+        return kernels._blocked_swiglu(rows, jnp.asarray(expert), wg, wu, wd)
+
+    def ragged(rows, wg, wu, wd):
+        group = jnp.asarray(sizes, jnp.int32)
+        xs = rows[order]
+        h = jax.nn.silu(jax.lax.ragged_dot(xs, wg, group)) * jax.lax.ragged_dot(xs, wu, group)
+        return jax.lax.ragged_dot(h, wd, group)[inverse]
+
+    assert sizes.min() == sizes.max() == m // n_exp, "the batched case needs balanced routing"
+    return {"per-expert 2-D": per_expert, "batched [E, M/E]": batched, "dropless blocked": blocked,
+            "ragged_dot": ragged}
+
+
+def grad_fn(fn: Callable, tok_of_row=None) -> Callable:
+    """jit(grad of sum(fn(...)^2)) with respect to every argument; rows come from tokens via tok_of_row."""
+    def loss(x, *w):
+        rows = x if tok_of_row is None else x[tok_of_row]
+        return jnp.sum(jnp.square(fn(rows, *w)))
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+
+
+def build(seed: int = 0) -> tuple[dict[str, tuple[Callable, tuple]], dict[str, float]]:
+    """The timed cases (name -> (jitted fwd+bwd, args)) and each expert case's largest relative
+    gradient difference from the per-expert 2-D reference."""
+    rng = np.random.default_rng(seed)
+    arr = lambda *s, scale=1.0: jnp.asarray(rng.standard_normal(s) * scale, jnp.float32)  # noqa: E731
+    x = arr(TOKENS, D_MODEL)
+    dense_w = (arr(D_MODEL, TOP_K * D_FF, scale=0.05), arr(D_MODEL, TOP_K * D_FF, scale=0.05),
+               arr(TOP_K * D_FF, D_MODEL, scale=0.05))
+    exp_w = (arr(N_EXP, D_MODEL, D_FF, scale=0.05), arr(N_EXP, D_MODEL, D_FF, scale=0.05),
+             arr(N_EXP, D_FF, D_MODEL, scale=0.05))
+    expert = balanced_routing(TOKENS, N_EXP, TOP_K, seed)
+    tok = jnp.asarray(np.arange(TOKENS * TOP_K) // TOP_K)
+    cases = {"dense 2-D": (grad_fn(swiglu), (x, *dense_w))}
+    for name, fn in expert_cases(expert).items():
+        cases[name] = (grad_fn(fn, tok), (x, *exp_w))
+    ref = cases["per-expert 2-D"][0](*cases["per-expert 2-D"][1])
+    diffs = {}
+    for name in list(cases)[1:]:
+        got = cases[name][0](*cases[name][1])
+        diffs[name] = max(float(jnp.max(jnp.abs(g - r)) / jnp.max(jnp.abs(r))) for g, r in zip(got, ref))
+    return cases, diffs
+
+
+def time_case(fn: Callable, args: tuple, iters: int) -> float:
+    """Median wall seconds of one synchronised call, over ``iters`` calls."""
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--iters", type=int, default=20, help="timed calls per case and round")
+    p.add_argument("--write-results", action="store_true")
+    p.add_argument("--quick", action="store_true", help="1 round of 2 calls: checks the plumbing")
+    a = p.parse_args(argv)
+    rounds, iters = (1, 2) if a.quick else (a.rounds, a.iters)
+    cases, diffs = build()
+    for fn, args in cases.values():  # compile and warm up
+        jax.block_until_ready(fn(*args))
+    medians: dict[str, list[float]] = {name: [] for name in cases}
+    for r in range(rounds):
+        for name, (fn, args) in cases.items():
+            medians[name].append(time_case(fn, args, iters))
+        print(f"round {r + 1}/{rounds}: " + ", ".join(f"{n} {1e3 * m[-1]:.2f} ms" for n, m in medians.items()),
+              flush=True)
+    dense = statistics.median(medians["dense 2-D"])
+    print(f"\n{hardware()}: one layer's SwiGLU, forward and backward ({TOKENS} tokens, {N_EXP} experts, "
+          f"top-{TOP_K})")
+    print(f"{'case':20s} {'ms':>8s} {'vs dense':>9s} {'max rel. diff':>14s}")
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
+    rows = []
+    for name in cases:
+        ms = 1e3 * statistics.median(medians[name])
+        diff = f"{diffs[name]:.1e}" if name in diffs else "-"
+        print(f"{name:20s} {ms:8.2f} {ms / (1e3 * dense):8.2f}x {diff:>14s}")
+        rows.append(f"| {date} | {hardware()} | {commit()} | {name}{' (quick)' if a.quick else ''} | {ms:.2f} | "
+                    f"{ms / (1e3 * dense):.2f}x | {diff} |")
+    if a.write_results:
+        for row in rows:
+            append_result_row(HEADER, row, INTRO)
+        print(f"appended {len(rows)} rows to RESULTS.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -17,7 +17,7 @@
 #      flags (JAXTRAIN_XLA_GPU_FLAGS=0): the MFU baseline;
 #   2. the same step with the flags (jaxtrain/runtime/xla_flags.py, the trainer's default on a GPU);
 #   3. the same step with the optimizer state in host memory (offload.optimizer=host) against the step
-#      without it: step time and device memory (benchmarks/offload.py, 10 steps each);
+#      without it: step time and device memory (benchmarks/offload.py, 10 steps each, one round);
 #   4. the same step with our Pallas (Triton) flash attention, 10 steps;
 #   5. the 25M config, 20 steps (a small-model row).
 # CI lowers stage 1's step (with Pallas attention) for `cuda` on CPU: tests/test_gpu_lowering.py, and
@@ -84,7 +84,7 @@ stage() {  # name, minimum seconds worth starting with, then the script's argume
 }
 JAXTRAIN_XLA_GPU_FLAGS=0 stage llama_1b_auto 180 --config llama_1b_h200 --steps 30 --warmup 3 data.path=stdlib
 stage llama_1b_gpu_flags 150 --config llama_1b_h200 --steps 30 --warmup 3 data.path=stdlib
-SCRIPT=benchmarks/offload.py stage llama_1b_offload 200 --config llama_1b_h200 --variants none,optimizer \
+SCRIPT=benchmarks/offload.py stage llama_1b_offload 200 --config llama_1b_h200 --variants none,optimizer --rounds 1 \
   --steps 10 --warmup 2 data.path=stdlib
 stage llama_1b_pallas 150 --config llama_1b_h200 --steps 10 --warmup 2 data.path=stdlib model.attention=pallas
 stage llama_25m 60 --config llama_25m --steps 20 --warmup 3 data.path=stdlib data.tokenizer=byte

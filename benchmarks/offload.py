@@ -1,11 +1,13 @@
 """Host-memory offload: step time and device / host bytes per device with and without each kind of offload.
 
-    python benchmarks/offload.py [--config X] [--variants none,optimizer,params,activations,all]
+    python benchmarks/offload.py [--config X] [--variants none,optimizer,params,activations,all] [--rounds 3]
                                  [--steps 10] [--warmup 2] [--quick] [--json F] [--write-results] [key=value ...]
 
 Each variant is the config's train step with one ``offload:`` setting (docs/memory.md), timed on real
-batches (benchmarks/step.py's JaxBench: the trainer's own setup and data pipeline), in this process one
-after the other:
+batches (benchmarks/step.py's JaxBench: the trainer's own setup and data pipeline). The variants
+alternate within each of ``--rounds`` rounds (each built afresh, one at a time, so that a machine that
+slows down slows them all): a variant's time is the median over rounds of its median step, and its
+ratio to ``none`` the median of the per-round ratios. The variants:
   none         nothing offloaded;
   optimizer    offload.optimizer=host (the moments, and float32 masters of low-precision params);
   params       offload.params=host (the stacked layers fetched one per scan iteration);
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import statistics
 import sys
 
 import jax
@@ -76,6 +79,7 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3, help="rounds of alternated variants")
     p.add_argument("--quick", action="store_true", help="2 layers, 2 steps: the plumbing")
     p.add_argument("--json", default=None)
     p.add_argument("--write-results", action="store_true")
@@ -87,32 +91,50 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"--variants: unknown {', '.join(unknown)} (known: {', '.join(VARIANTS)})")
     base = [*_layers_scanned(a.config, a.overrides), *a.overrides]
-    steps, warmup = (2, 1) if a.quick else (a.steps, a.warmup)
+    steps, warmup, rounds = (2, 1, 1) if a.quick else (a.steps, a.warmup, a.rounds)
     if a.quick:
         base = ["model.n_layers=2", "train.global_batch=8", *base]
     names = sorted(offload.model_names(*_spec_and_micro(a.config, base)))
-    out = {v: measure(a.config, [*base, *overrides_for(v, names)], steps, warmup) for v in variants}
-    ref = out.get("none", {}).get("stats", {}).get("median_s")
+    out, medians = run_rounds(lambda v: measure(a.config, [*base, *overrides_for(v, names)], steps, warmup),
+                              variants, rounds)
+    ratios = {v: statistics.median(m / n for m, n in zip(medians[v], medians["none"])) if "none" in out else None
+              for v in variants}
     mib = lambda n: f"{n / 2**20:,.1f} MiB" if n is not None else "n/a"  # noqa: E731
     rows = []
     for v, r in out.items():
-        t = r["stats"]["median_s"]
-        vs = f" ({t / ref:.2f}x none)" if ref else ""
+        t = statistics.median(medians[v])
+        vs = f" ({ratios[v]:.2f}x none)" if ratios[v] is not None else ""
         rows.append((v, f"{1e3 * t:.1f} ms/step{vs} | device peak {mib(r['device_peak'])} (compiled; host from the "
                         f"{r['host_source']}) | device state {mib(r['device_state'])} | host state "
                         f"{mib(r['host_state'])}, activations {mib(r['host_activations'])} (estimate)"))
     print_table(f"offload: {a.config} {' '.join(base)} on {jax.devices()[0].device_kind} x{len(jax.devices())}",
                 rows)
-    write_json(a.json, {"config": a.config, "overrides": base, "jax": jax.__version__, "variants": out})
+    write_json(a.json, {"config": a.config, "overrides": base, "jax": jax.__version__, "rounds": rounds,
+                        "round_medians_s": medians, "vs_none": ratios, "variants": out})
     if a.write_results:
         date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
         for v, r in out.items():
-            t = r["stats"]["median_s"]
+            t = statistics.median(medians[v])
+            vs = f"{ratios[v]:.2f}x" if ratios[v] is not None else "-"
             append_result_row(HEADER, f"| {date} | {hardware()}; {jax.devices()[0].device_kind} | {commit()} | "
                                       f"{a.config} {' '.join(base)} | {v} | {1e3 * t:.1f} | "
-                                      f"{f'{t / ref:.2f}x' if ref else '-'} | {r['device_peak'] / 2**20:.1f} | "
+                                      f"{vs} | {r['device_peak'] / 2**20:.1f} | "
                                       f"{r['host_state'] / 2**20:.1f} | {r['host_activations'] / 2**20:.1f} |", INTRO)
     return 0
+
+
+def run_rounds(measure_one, variants: list[str], rounds: int) -> tuple[dict, dict]:
+    """``measure_one(variant)`` for every variant in turn, ``rounds`` times: (the first round's result per
+    variant, which holds the memory figures; every round's median step seconds per variant)."""
+    out: dict[str, dict] = {}
+    medians: dict[str, list[float]] = {v: [] for v in variants}
+    for r in range(rounds):
+        for v in variants:
+            res = measure_one(v)
+            medians[v].append(res["stats"]["median_s"])
+            out.setdefault(v, res)
+            print(f"round {r + 1}/{rounds}  {v:12s} {1e3 * res['stats']['median_s']:8.1f} ms/step", flush=True)
+    return out, medians
 
 
 def _layers_scanned(config: str, overrides: list[str]) -> list[str]:

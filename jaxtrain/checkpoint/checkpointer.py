@@ -203,8 +203,9 @@ class Checkpointer(Restoring):
             self._orbax_done(p)
         except SaveTimeoutError:
             raise
-        except Exception:  # noqa: BLE001 - discarded either way
-            pass
+        except Exception as write_error:  # noqa: BLE001 - discarded either way, but a storage fault is said
+            self.log(f"checkpoint step {step}: its write failed too ({type(write_error).__name__}: {write_error}); "
+                     f"it is removed either way")
         self._discard(p, error)
 
     def poll(self) -> None:

@@ -113,3 +113,25 @@ def test_a_nonfinite_validation_loss_fails_and_is_never_saved(small_cfg, monkeyp
     failed = [(r["step"], r["latest_committed"], r["checkpoint_failed"].split(":")[0]) for r in rows
               if "checkpoint_failed" in r]
     assert failed == ([(bad, good, "NonFiniteError")] if bad == steps else [])
+
+
+def test_a_removed_saves_own_write_error_is_said_not_raised(small_cfg, monkeypatch, capsys):
+    """The last step's begun save fails to write as well: the run still fails as diverged, the write
+    error is said (a storage fault must not go unnoticed), and the step is removed all the same."""
+    _poison(monkeypatch, val=True)
+    done = ckptlib.Checkpointer._orbax_done
+
+    def failing(self, p):
+        done(self, p)
+        if p.step == 4:
+            raise OSError("No space left on device")
+    monkeypatch.setattr(ckptlib.Checkpointer, "_orbax_done", failing)
+    cfg = small_cfg("train.steps=4", "train.eval_every=1000", "checkpoint.every=2", "mesh.data=1")
+    with pytest.raises(NonFiniteError, match="the validation loss is nan at step 4"):
+        fit(cfg, devices=jax.devices()[:1], quiet=True)
+    out = capsys.readouterr()
+    assert ("checkpoint step 4: its write failed too (OSError: No space left on device); it is removed either way"
+            in out.out + out.err)
+    ckpt = ckptlib.Checkpointer(cfg, cfg.run.dir)
+    assert list(ckpt.committed()) == [2] and not (ckpt.store.root / "4").exists()
+    ckpt.close()

@@ -14,6 +14,7 @@ backward (the gradient of sum(y^2) with respect to the tokens and the three weig
                       grouped GEMM could do with XLA:CPU's 2-D matmuls, and only possible when the
                       group sizes are known at compile time
   batched [E, M/E]    one batched matmul over the experts' buffers: capacity routing at factor 1.0
+                      as GPU and TPU run it (on CPU jaxtrain's capacity path runs per-expert 2-D)
   dropless blocked    jaxtrain's CPU dropless path (``jaxtrain.kernels.moe._blocked_swiglu``):
                       copies sorted by expert in B-row blocks, each block's weights gathered
   ragged_dot          ``jax.lax.ragged_dot`` on the sorted copies, which XLA:CPU expands into

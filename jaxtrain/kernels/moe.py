@@ -16,7 +16,8 @@ Two ways to run the experts:
 * **capacity** (GShard, Lepikhin et al. 2020; Switch, Fedus et al. 2022): each expert has
   ``capacity`` slots per sequence; the model gives each copy its slot, and copies whose slot
   is >= capacity are dropped (they contribute zero; the residual carries the token on).
-  The experts run as one batched matmul over ``[experts, slots, embed]`` buffers.
+  The experts run as one batched matmul over ``[experts, slots, embed]`` buffers (on CPU, one 2-D
+  matmul per expert: :func:`_expert_buffers_swiglu`).
 
 **Expert parallelism.** Inside the trainer's activation-sharding context, when the rules shard
 the ``exp`` dimension of the expert weights over mesh axes (``sharding_rules/ep.yaml``:
@@ -156,6 +157,24 @@ def _dropless(x2, idx, w_gate, w_up, w_down, axis, ep: int) -> jax.Array:
     return jnp.zeros_like(back).at[order].set(back).reshape(n, k, -1)
 
 
+UNROLL_EXPERTS = 16  # on CPU, up to this many local experts run as one 2-D SwiGLU each
+
+
+def _expert_buffers_swiglu(rows: jax.Array, w_gate, w_up, w_down) -> jax.Array:
+    """rows [E, slots, embed] through expert e's SwiGLU each -> [E, slots, embed].
+
+    One batched matmul per weight on GPU and TPU. On CPU, with at most ``UNROLL_EXPERTS`` experts, one
+    2-D SwiGLU per expert instead (the same values, bit for bit): XLA:CPU runs a 2-D matmul faster
+    than a slice of a batched one and runs two experts' at once on two cores (``benchmarks/moe_kernels.py``:
+    "per-expert 2-D" against "batched [E, M/E]").
+    """
+    if target.backend() == "cpu" and rows.shape[0] <= UNROLL_EXPERTS:
+        return jnp.stack([(jax.nn.silu(rows[e] @ w_gate[e]) * (rows[e] @ w_up[e])) @ w_down[e]
+                          for e in range(rows.shape[0])])
+    h = jax.nn.silu(jnp.einsum("emd,edf->emf", rows, w_gate)) * jnp.einsum("emd,edf->emf", rows, w_up)
+    return jnp.einsum("emf,efd->emd", h, w_down)
+
+
 def _capacity(x, idx, slots, capacity: int, w_gate, w_up, w_down, axis, ep: int) -> jax.Array:
     """x [b, t, embed], idx/slots [b, t, k] -> expert outputs per copy [b, t, k, embed] (dropped: 0)."""
     b, t, k = idx.shape
@@ -170,8 +189,7 @@ def _capacity(x, idx, slots, capacity: int, w_gate, w_up, w_down, axis, ep: int)
         buf = jax.lax.all_to_all(buf, axis, 0, 0, tiled=True)  # my experts' buffers from every source
         buf = buf.reshape(ep, n_exp // ep, b, capacity, -1).swapaxes(0, 1)
     rows = buf.reshape(w_gate.shape[0], -1, x.shape[-1])  # [local experts, slots, embed]
-    h = jax.nn.silu(jnp.einsum("emd,edf->emf", rows, w_gate)) * jnp.einsum("emd,edf->emf", rows, w_up)
-    out = jnp.einsum("emf,efd->emd", h, w_down).reshape(buf.shape)
+    out = _expert_buffers_swiglu(rows, w_gate, w_up, w_down).reshape(buf.shape)
     if ep > 1:
         out = jax.lax.all_to_all(out.swapaxes(0, 1).reshape(n_exp, b, capacity, -1), axis, 0, 0, tiled=True)
     out = jnp.pad(out, ((0, 0), (0, 0), (0, 1), (0, 0)))  # the spare slot reads zeros

@@ -143,6 +143,29 @@ def test_the_cpu_blocked_grouped_matmul_equals_ragged_dot_values_and_gradients()
         np.asarray(expert) == 4].any()  # rows without an expert: 0
 
 
+def test_the_cpu_per_expert_swiglu_is_bitwise_the_batched_one_with_its_gradients(monkeypatch):
+    """Capacity buffers on CPU run one 2-D SwiGLU per expert; the batched form (GPU/TPU, or more
+    experts than UNROLL_EXPERTS) gives the same bits, forward and backward."""
+    from jaxtrain.kernels import moe as kernels
+    rng = np.random.default_rng(1)
+    args = [jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((4, 40, 16), (4, 16, 24), (4, 16, 24), (4, 24, 16))]
+
+    def both():  # a fresh jit each time: the path is chosen while tracing
+        f = kernels._expert_buffers_swiglu
+        return jax.jit(lambda *a: (f(*a), *jax.grad(lambda *b: jnp.sum(jnp.sin(f(*b))), argnums=(0, 1, 2, 3))(*a)))
+
+    def dots():  # a fresh function each time: make_jaxpr caches a function's trace
+        return str(jax.make_jaxpr(lambda *a: kernels._expert_buffers_swiglu(*a))(*args)).count("dot_general")
+
+    per_expert = both()(*args)
+    assert dots() == 3 * 4  # one SwiGLU's three matmuls per expert
+    monkeypatch.setattr(kernels, "UNROLL_EXPERTS", 3)  # 4 experts: batched
+    assert dots() == 3
+    batched = both()(*args)
+    for got, want in zip(per_expert, batched):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_flops_per_token_count_the_active_parameters():
     from jaxtrain.models.mixtral import Mixtral
     from jaxtrain.models.mixtral.flops import active_matmul_params, flops_per_token

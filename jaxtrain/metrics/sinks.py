@@ -43,13 +43,14 @@ class JsonlSink:
 
     def drop_after(self, step: int) -> None:
         """Removes rows past ``step`` (left by a run that died after its last checkpoint), so a
-        resumed run's rows are not duplicated. Rewrites the file atomically."""
+        resumed run's rows are not duplicated, and a last row cut short by a crash (the next row
+        would be appended to it). Rewrites the file atomically."""
         self._file.close()
-        lines = self.path.read_text().splitlines() if self.path.exists() else []
+        lines, torn = _complete_lines(self.path.read_bytes() if self.path.exists() else b"")
         keep = [ln for ln in lines if ln.strip() and _step_of(ln) <= step]
-        if len(keep) != len(lines):
+        if torn or len(keep) != len(lines):
             tmp = self.path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(ln + "\n" for ln in keep))
+            tmp.write_bytes(b"".join(ln + b"\n" for ln in keep))
             os.replace(tmp, self.path)
         self._file = self.path.open("a")
 
@@ -243,14 +244,36 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _step_of(line: str) -> int:
+def _step_of(line: bytes) -> int:
     try:
         return int(json.loads(line).get("step", 0))
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, TypeError):
         return 0
 
 
+def _complete_lines(raw: bytes) -> tuple[list[bytes], bool]:
+    """(the lines of a JSONL file's bytes, whether its last line was cut short: no final newline)."""
+    lines = raw.splitlines()
+    torn = bool(raw) and not raw.endswith(b"\n")
+    return (lines[:-1] if torn else lines), torn
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
-    """Every row of ``RUN_DIR/metrics.jsonl``."""
+    """Every row of ``RUN_DIR/metrics.jsonl``; a last row cut short by a crash is left out.
+
+    Raises:
+      ConfigError: a complete line is not a JSON object (names the file and line).
+    """
     path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for n, line in enumerate(_complete_lines(path.read_bytes())[0], 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as err:  # also invalid UTF-8
+            raise ConfigError(f"{path}: line {n} is not a JSON row ({err})") from None
+        if not isinstance(row, dict):
+            raise ConfigError(f"{path}: line {n} is not a JSON object")
+        rows.append(row)
+    return rows

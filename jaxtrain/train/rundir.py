@@ -143,6 +143,56 @@ def resume_changes(cfg: Config, run_dir: Path) -> tuple[list[str], list[str]]:
     return shape_keys, notes
 
 
+def _last_step(metrics: Path) -> int:
+    """The highest ``step`` of the rows in ``metrics`` (0: none, or no file; unreadable lines skipped)."""
+    last = 0
+    if metrics.is_file():
+        for line in metrics.read_bytes().splitlines():
+            try:
+                last = max(last, int(json.loads(line).get("step", 0)))
+            except (ValueError, AttributeError, TypeError):
+                continue
+    return last
+
+
+def _same_place(a: Any, b: Any, run_dir: Path) -> bool:
+    """Whether two ``checkpoint.dir`` values (None: ``RUN_DIR/checkpoints``) name the same place."""
+    def norm(v):
+        v = str(v or run_dir / "checkpoints")
+        return v.rstrip("/") if "://" in v else str(Path(v).expanduser().resolve())
+    return norm(a) == norm(b)
+
+
+def fresh_start_notes(cfg: Config, run_dir: Path) -> list[str]:
+    """Before a run starts at step 0 in a run directory that may hold an earlier one.
+
+    Returns one note when metrics.jsonl has rows of an earlier attempt (dropped: those steps are
+    trained again), none for a new directory.
+
+    Raises:
+      ConfigError: the directory holds a run whose checkpoints were in another ``checkpoint.dir``
+        (a changed or mistyped one would start it over and drop its metrics): nothing is written.
+    """
+    last = _last_step(run_dir / "metrics.jsonl")
+    saved_path = run_dir / "config.yaml"
+    if not last:
+        return []
+    try:
+        saved = yaml.safe_load(saved_path.read_text()) if saved_path.is_file() else None
+    except (yaml.YAMLError, UnicodeDecodeError):
+        saved = None  # resume_changes names a damaged config.yaml when there is a checkpoint to resume
+    saved_dir = ((saved or {}).get("checkpoint") or {}).get("dir") if isinstance(saved, dict) else None
+    if isinstance(saved, dict) and not _same_place(saved_dir, cfg.checkpoint.dir, run_dir):
+        where = cfg.checkpoint.dir or f"{run_dir / 'checkpoints'} (the default)"
+        was = saved_dir or f"{run_dir / 'checkpoints'} (the default)"
+        raise ConfigError(f"checkpoint.dir: {where} holds no checkpoint, but run.dir {run_dir} holds a run to step "
+                          f"{last} whose checkpoints were in {was}: starting it over would drop its metrics. To "
+                          f"resume, set checkpoint.dir back; to start a new run, use a new run.dir. Nothing was "
+                          f"written")
+    return [f"no checkpoint to resume: starting at step 0 (metrics.jsonl's rows to step {last}, of an earlier "
+            f"attempt, are dropped)"]
+
+
 class RunLock:
     """An exclusive ``flock`` on ``RUN_DIR/.lock`` so two runs never share a run directory.
 

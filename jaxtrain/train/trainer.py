@@ -165,6 +165,8 @@ def resume(s: Setup, ckpt: Optional[Checkpointer], batches, run_dir: Path, out: 
     """
     steps = ckpt.restorable() if ckpt else []  # one listing (and marker read) per start
     if not steps:
+        for note in rundir.fresh_start_notes(s.cfg, run_dir):
+            out.info(f"[yellow]note:[/] {note}")
         out.info(f"run directory: {run_dir}")
         # Finished before any other program is dispatched: on a CPU mesh, the init program's collectives
         # (a pipelined model's layers are regrouped by stage) and the first step's could otherwise be in

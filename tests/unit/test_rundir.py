@@ -118,3 +118,49 @@ def test_no_sample_is_drawn_or_printed_when_train_sample_tokens_is_0(small_cfg, 
     out = capsys.readouterr().out
     assert result.sample == "" and "validation loss " in out
     assert "sample:" not in out, out
+
+
+def test_a_changed_checkpoint_dir_never_starts_a_run_over(small_cfg, tmp_path):
+    """A mistyped checkpoint.dir finds no checkpoint: starting at step 0 would drop the run's metrics
+    and rewrite its config.yaml. Refused (exit 2) before anything is written."""
+    cfg = small_cfg("train.steps=4", "checkpoint.every=2", "mesh.data=1", run_dir="c")
+    fit(cfg, devices=jax.devices()[:1], quiet=True)
+    files = {name: (Path(cfg.run.dir) / name).read_bytes() for name in ("metrics.jsonl", "config.yaml")}
+    typo = tmp_path / "ckpts_typo"
+    with pytest.raises(ConfigError) as e:
+        fit(small_cfg("train.steps=6", "checkpoint.every=2", "mesh.data=1", f"checkpoint.dir={typo}", run_dir="c"),
+            devices=jax.devices()[:1], quiet=True)
+    assert e.value.exit_code == 2
+    assert str(e.value) == (f"checkpoint.dir: {typo} holds no checkpoint, but run.dir {cfg.run.dir} holds a run to "
+                            f"step 4 whose checkpoints were in {cfg.run.dir}/checkpoints (the default): starting it "
+                            f"over would drop its metrics. To resume, set checkpoint.dir back; to start a new run, "
+                            f"use a new run.dir. Nothing was written")
+    assert {name: (Path(cfg.run.dir) / name).read_bytes() for name in files} == files
+    assert not typo.exists() or not any(typo.iterdir())
+
+
+def test_a_run_without_a_checkpoint_starts_over_and_says_so(small_cfg, capsys):
+    cfg = small_cfg("train.steps=3", "checkpoint.enabled=false", "mesh.data=1", run_dir="n")
+    fit(cfg, devices=jax.devices()[:1], quiet=True)
+    fit(small_cfg("train.steps=2", "checkpoint.enabled=false", "mesh.data=1", run_dir="n"),
+        devices=jax.devices()[:1], quiet=True)
+    assert ("no checkpoint to resume: starting at step 0 (metrics.jsonl's rows to step 3, of an earlier attempt, "
+            "are dropped)") in capsys.readouterr().out
+    assert max(r["step"] for r in read_metrics(cfg.run.dir)) == 2
+
+
+def test_a_row_cut_short_by_a_crash_is_dropped_on_resume_and_skipped_by_readers(small_cfg):
+    cfg = small_cfg("train.steps=4", "checkpoint.every=2", "mesh.data=1", run_dir="t")
+    fit(cfg, devices=jax.devices()[:1], quiet=True)
+    path = Path(cfg.run.dir) / "metrics.jsonl"
+    whole = path.read_bytes()
+    path.write_bytes(whole + b'{"time": 1.0, "step": 5, "lo')  # SIGKILL in the middle of a write
+    assert read_metrics(cfg.run.dir) == [json.loads(line) for line in whole.splitlines()]
+    fit(small_cfg("train.steps=6", "checkpoint.every=2", "mesh.data=1", run_dir="t"), devices=jax.devices()[:1],
+        quiet=True)
+    lines = path.read_bytes().splitlines()
+    assert all(isinstance(json.loads(line), dict) for line in lines)  # no row was appended to the cut one
+    assert [r["step"] for r in map(json.loads, lines) if "loss" in r][-2:] == [5, 6]
+    path.write_bytes(b'{"step": 1}\nnot json\n{"step": 2}\n')  # damage inside the file: named, never guessed
+    with pytest.raises(ConfigError, match=r"metrics.jsonl: line 2 is not a JSON row"):
+        read_metrics(cfg.run.dir)

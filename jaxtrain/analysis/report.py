@@ -35,11 +35,16 @@ def load(run_dir: Path) -> tuple[list[dict], list[dict], str, int]:
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file() or not (run_dir / "metrics.jsonl").is_file():
         raise ConfigError(f"report: '{run_dir}' is not a run directory with metrics (config.yaml, metrics.jsonl)")
-    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    try:
+        cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+        per_example = cfg["data"]["seq_len"], cfg["train"]["global_batch"]
+    except (yaml.YAMLError, UnicodeDecodeError, TypeError, KeyError) as err:
+        raise ConfigError(f"report: {run_dir / 'config.yaml'} is not a run's config ({type(err).__name__}: "
+                          f"{err})") from None
     rows = read_metrics(run_dir)
     train = [r for r in rows if "step_time_s" in r]
     unit = "examples" if any("examples_per_sec" in r for r in train) else "tokens"
-    per_step = cfg["train"]["global_batch"] * (cfg["data"]["seq_len"] if unit == "tokens" else 1)
+    per_step = per_example[1] * (per_example[0] if unit == "tokens" else 1)
     return train, [r for r in rows if "val_loss" in r], unit, per_step
 
 
@@ -79,10 +84,19 @@ def figure(run_dirs: Sequence[Path]):
     return fig
 
 
+FORMATS = (".png", ".svg", ".pdf")
+
+
 def write(run_dirs: Sequence[Path], out: Path, dpi: int = 110) -> Path:
-    """Saves :func:`figure` of ``run_dirs`` as a PNG at ``out``. Raises ConfigError for a bad run dir."""
-    fig = figure(run_dirs)
+    """Saves :func:`figure` of ``run_dirs`` at ``out`` (a PNG, or SVG or PDF by its suffix).
+
+    Raises:
+      ConfigError: a bad run dir, or ``out`` has another suffix (checked before any figure is drawn).
+    """
     out = Path(out)
+    if out.suffix.lower() not in FORMATS:
+        raise ConfigError(f"report: -o {out}: the file must end in {', '.join(FORMATS)}")
+    fig = figure(run_dirs)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=dpi)
     return out

@@ -23,6 +23,7 @@ from typing import Optional
 from etils import epath
 
 from jaxtrain.checkpoint import integrity
+from jaxtrain.config import paths
 from jaxtrain.errors import StorageError
 
 
@@ -194,4 +195,5 @@ def open_store(spec: str, s3_endpoint: Optional[str] = None) -> Store:
         return Store(epath.Path(spec))
     if "://" in spec:
         return Store(epath.Path(spec))
+    paths.check_folder("checkpoint.dir", spec)
     return Store(epath.Path(os.path.abspath(os.path.expanduser(spec))))

@@ -62,6 +62,15 @@ def cli(body: Callable[[], Optional[int]]) -> int:
             sys.stderr.flush()
             os._exit(err.exit_code)
         return err.exit_code
+    except KeyboardInterrupt as err:  # a second SIGINT (the first asks the loop to stop and save)
+        if _multiprocess():
+            from jaxtrain.runtime import heartbeat
+            heartbeat.after_failure(err)
+            print("interrupted (a second SIGINT): stopping every process at once; committed checkpoints are "
+                  "intact", file=sys.stderr)
+            heartbeat.leave(130)
+        print("interrupted (a second SIGINT): stopped at once; committed checkpoints are intact", file=sys.stderr)
+        return 130
     except BaseException as err:
         if _multiprocess() and not isinstance(err, SystemExit):
             # Many processes: never a normal exit (it would wait in jax.distributed's shutdown barrier
@@ -69,10 +78,6 @@ def cli(body: Callable[[], Optional[int]]) -> int:
             # is reported by name, not as a traceback.
             from jaxtrain.runtime import heartbeat
             heartbeat.after_failure(err)
-            if isinstance(err, KeyboardInterrupt):
-                print("interrupted (a second SIGINT): stopping every process at once; committed checkpoints are "
-                      "intact", file=sys.stderr)
-                heartbeat.leave(130)
             traceback.print_exc()
             heartbeat.leave(1)
         raise
@@ -104,6 +109,26 @@ def config_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argpars
             parser.error("give the config file once: positional or --config")
         args.config = args.overrides.pop(0)
     return args
+
+
+def start_backend() -> None:
+    """Starts JAX's backend (``jax.devices()``) so that an environment it cannot start is bad input.
+
+    Raises:
+      InputError: ``JAX_PLATFORMS`` names a platform JAX cannot start here (no such plugin or
+        device), with JAX's reason.
+    """
+    import jax
+
+    from jaxtrain.errors import InputError
+    try:
+        jax.devices()
+    except (RuntimeError, AssertionError) as err:  # JAX asserts when its backend failed to start before
+        asked = os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms
+        reason = str(err) or "none of those platforms has a device here"  # e.g. cuda without an NVIDIA GPU
+        hint = "" if "JAX_PLATFORMS" in reason else " (unset JAX_PLATFORMS to let JAX choose)"
+        raise InputError(f"JAX_PLATFORMS={asked!r}: JAX could not start it: {reason}{hint}" if asked
+                         else f"JAX could not start a backend: {reason}") from None
 
 
 def enable_compilation_cache() -> None:

@@ -16,7 +16,15 @@ import gc
 import sys
 from typing import Optional, Sequence
 
-from jaxtrain.cli.common import add_config_args, cli, config_args, enable_compilation_cache, log_to_console, prog
+from jaxtrain.cli.common import (
+    add_config_args,
+    cli,
+    config_args,
+    enable_compilation_cache,
+    log_to_console,
+    prog,
+    start_backend,
+)
 from jaxtrain.metrics import peak_cache
 from jaxtrain.runtime import signals, xla_flags
 
@@ -54,6 +62,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if not cfg.train.gc_every and collecting:
                 gc.enable()
             join.start(cfg.distributed)  # before anything touches a device
+            start_backend()
             signals.check_startup()
             fit(cfg)
             heartbeat.end_run()

@@ -145,6 +145,8 @@ def load(path: Optional[str] = None, overrides: list[str] | tuple[str, ...] = ()
             loaded = yaml.load(file.read_text(), Loader=UniqueKeyLoader)
         except yaml.YAMLError as err:
             raise ConfigError(f"config file {file}: invalid YAML: {err}") from None
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"config file {file}: not UTF-8 text (byte {err.start}: {err.reason})") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {file}: top level must be a mapping")
         tree = loaded or {}

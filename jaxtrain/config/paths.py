@@ -7,7 +7,9 @@ write it (``gs://`` through TensorStore/gcsfs, ``s3://`` through s3fs); any othe
 """
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 from typing import Optional
 from urllib.parse import unquote
 
@@ -56,3 +58,17 @@ def normalize(key: str, value: str, remote: Optional[tuple[str, ...]] = None) ->
         raise ConfigError(f"{key}: '{value}' names no bucket")
     raise ConfigError(f"{key}: unsupported storage scheme '{scheme}://' in '{value}'; "
                       f"{key} takes {supported(key, remote)}")
+
+
+def check_folder(key: str, path: str) -> None:
+    """A local folder ``path`` can be made or used: no file stands in its place or on its way.
+
+    Raises:
+      ConfigError: ``"<key>: '<p>' exists and is not a directory"`` for the nearest existing part ``p``.
+    """
+    here = os.path.abspath(os.path.expanduser(path))
+    for part in (here, *(str(p) for p in Path(here).parents)):
+        if os.path.lexists(part):
+            if not os.path.isdir(part):
+                raise ConfigError(f"{key}: '{part}' exists and is not a directory")
+            return

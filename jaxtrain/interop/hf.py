@@ -28,7 +28,7 @@ import yaml
 from pydantic import BaseModel
 
 from jaxtrain.checkpoint.checkpointer import Checkpointer
-from jaxtrain.config import Config, from_dict, load
+from jaxtrain.config import Config, from_dict, load, paths
 from jaxtrain.config.loading import UniqueKeyLoader, resolve_resource
 from jaxtrain.data import tokenizers
 from jaxtrain.errors import CheckpointError, ConfigError, CorruptCheckpointError
@@ -297,6 +297,7 @@ def export(run_dir: Path, out_dir: Path, step: Optional[int] = None,
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"export: '{run_dir}' is not a run directory (no config.yaml)")
+    paths.check_folder("export", str(out_dir))  # before any work
     cfg = _single_device(load(str(run_dir / "config.yaml")))
     conv = converter(cfg)
     s = setup(cfg, jax.devices()[:1], vocab=_run_vocab(cfg, run_dir))

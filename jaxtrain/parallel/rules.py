@@ -72,6 +72,8 @@ class Rules:
         path = resolve_resource(name_or_path, "sharding_rules", "sharding.rules")
         try:
             raw = yaml.load(path.read_text(), Loader=UniqueKeyLoader)  # a key given twice is an error
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"sharding.rules: {path}: not UTF-8 text (byte {err.start}: {err.reason})") from None
         except yaml.MarkedYAMLError as err:
             if (err.problem or "").startswith("duplicate key"):
                 raise ConfigError(f"sharding.rules: {path}: line {err.problem_mark.line + 1}: {err.problem} "

@@ -61,7 +61,7 @@ def saved_device_micro_batch(run_dir: Path) -> Optional[int]:
     try:
         saved = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
         value = saved.get("distributed", {}).get("device_micro_batch")
-    except (OSError, yaml.YAMLError, AttributeError):  # no file, or one the resume itself reports
+    except (OSError, ValueError, yaml.YAMLError, AttributeError):  # no file, or one the resume itself reports
         return None
     return value if isinstance(value, int) and value > 0 else None
 

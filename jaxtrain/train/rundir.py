@@ -124,6 +124,8 @@ def resume_changes(cfg: Config, run_dir: Path) -> tuple[list[str], list[str]]:
         saved = _flat(yaml.safe_load(path.read_text()) or {})
     except yaml.YAMLError as err:
         raise ConfigError(f"run.dir: {path} is not valid YAML: {err}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"run.dir: {path} is not UTF-8 text (byte {err.start}: {err.reason})") from None
     new = _flat(cfg.to_dict())
     changed = [k for k in new if k in saved and saved[k] != new[k]]
     if saved.get("model.family", "llama") != cfg.model.family:  # every model key means something else now

@@ -92,3 +92,26 @@ def test_train_runs_with_automatic_gc_off_unless_gc_every_is_0(monkeypatch, tmp_
     assert train_cli.main([f"run.dir={tmp_path}", f"train.gc_every={gc_every}"]) == 0
     assert seen == [(automatic, int(gc_every))]
     assert gc.isenabled()  # called in-process: the collector is left as it was found
+
+
+def test_a_platform_jax_cannot_start_is_bad_input_named_by_its_variable(tmp_path):
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "JAX_PLATFORMS": "nonesuch"}
+    done = subprocess.run([sys.executable, "-m", "jaxtrain.train", "train.steps=1", f"run.dir={tmp_path / 'r'}"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        "error: JAX_PLATFORMS='nonesuch': JAX could not start it: Unable to initialize backend 'nonesuch': ")
+    assert not (tmp_path / "r").exists()  # nothing written
+
+
+def test_a_second_sigint_stops_with_130_and_a_line_not_a_traceback(capsys):
+    from jaxtrain.cli.common import cli
+
+    def body():
+        raise KeyboardInterrupt
+    assert cli(body) == 130
+    assert capsys.readouterr().err == ("interrupted (a second SIGINT): stopped at once; committed checkpoints are "
+                                       "intact\n")

@@ -139,6 +139,8 @@ def main(argv=None) -> int:
     p.add_argument("--write-results", action="store_true")
     p.add_argument("--quick", action="store_true", help="1 round of 2 calls: checks the plumbing")
     a = p.parse_args(argv)
+    if a.rounds < 1 or a.iters < 1:
+        p.error("--rounds and --iters: at least 1")
     rounds, iters = (1, 2) if a.quick else (a.rounds, a.iters)
     cases, diffs = build()
     for fn, args in cases.values():  # compile and warm up

@@ -131,6 +131,8 @@ def _check_data(cfg: "Config") -> None:
         raise ConfigError(f"data.val_fraction: must be in (0, 1), got {d.val_fraction}")
     if d.mixture and d.mode == "windows":
         raise ConfigError("data.mixture: needs data.mode=packed or padded (windows reads one data.path)")
+    if d.format not in ("auto", "text") and d.mode == "windows":
+        raise ConfigError(f"data.format: {d.format} needs data.mode=packed or padded (windows reads plain text)")
     for key, w in d.mixture.items():
         if w <= 0:
             raise ConfigError(f"data.mixture: weight of '{key}' must be > 0, got {w}")

@@ -63,7 +63,9 @@ def load(cfg: Config, saved: Optional[dict] = None) -> Data:
         def make(sharding):
             ds = windows.train_dataset(corpus.train, d.seq_len, t.global_batch, d.seed)
             return arrays.BatchIterator(ds.map(packing.from_windows), t.grad_accum, sharding)
-        return Data(corpus.tokenizer, packing.from_windows(val), make)
+        info = [f"data: replaced {corpus.invalid_utf8} invalid UTF-8 sequence(s) in '{d.path}' with U+FFFD"
+                ] if corpus.invalid_utf8 else []
+        return Data(corpus.tokenizer, packing.from_windows(val), make, info)
 
     specs = dict(d.mixture) if d.mixture else {d.path: None}
     caches = {p: store.is_cache(p) for p in specs}

@@ -10,6 +10,7 @@ position saved in checkpoints.
 """
 from __future__ import annotations
 
+import codecs
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -33,6 +34,7 @@ class Corpus:
     tokenizer: Tokenizer
     train: np.ndarray  # [n_train] int32
     val: np.ndarray  # [n_val] int32
+    invalid_utf8: int = 0  # byte sequences replaced by U+FFFD (text tokenizers; the byte one keeps them)
 
 
 def load_corpus(cfg: Config, saved: Optional[Tokenizer] = None) -> Corpus:
@@ -44,13 +46,20 @@ def load_corpus(cfg: Config, saved: Optional[Tokenizer] = None) -> Corpus:
 
     Raises:
       DataError: no files, an empty corpus, either split shorter than one
-        window of ``seq_len + 1`` tokens, or a tokenizer mismatch on resume.
+        window of ``seq_len + 1`` tokens, a tokenizer mismatch on resume, or (with ``data.format``
+        auto) a file whose name says it holds records or compressed data, not text.
     """
     files = corpus_files(cfg.data.path)
+    if cfg.data.format == "auto":
+        for f in files:
+            kind = not_text(str(f))
+            if kind:
+                raise DataError(f"data.path: '{f}' is {kind} by its name, and data.mode=windows reads plain text: "
+                                f"use data.mode=packed for its documents, or data.format=text to read it as text")
     raw = b"\n".join(f.read_bytes() for f in files)
     # Bytes split by bytes (invalid UTF-8 kept); text tokenizers split the decoded text, and a
     # char vocabulary comes from the training split only.
-    data = raw if cfg.data.tokenizer == "byte" else raw.decode("utf-8", errors="replace")
+    data, bad = (raw, 0) if cfg.data.tokenizer == "byte" else _decode_counting(raw)
     split = int(len(data) * (1 - cfg.data.val_fraction))
     tok = make_tokenizer(cfg.data, lambda: data[:split])
     train, val = tok.encode(data[:split]), tok.encode(data[split:])
@@ -63,7 +72,36 @@ def load_corpus(cfg: Config, saved: Optional[Tokenizer] = None) -> Corpus:
             raise DataError(
                 f"data.path: the {name} split of '{cfg.data.path}' has {len(arr)} tokens, fewer than one "
                 f"window of data.seq_len+1 = {window} tokens")
-    return Corpus(tok, train, val)
+    return Corpus(tok, train, val, bad)
+
+
+def not_text(name: str) -> str:
+    """What a file holds by its name when that is not text (``'JSONL records'``, ...), else ''."""
+    fmt = sources.detect_format([name], "auto")
+    if fmt != "text":
+        return {"jsonl": "JSONL records", "parquet": "a Parquet table", "arrayrecord": "ArrayRecord records"}[fmt]
+    if name.lower().endswith((".gz", ".bz2", ".xz", ".zst", ".zip", ".tar")):
+        return "compressed"
+    return ""
+
+
+_REPLACED = [0]  # invalid UTF-8 sequences replaced so far (the error handler below counts them)
+
+
+def _count_replace(err: UnicodeDecodeError) -> tuple[str, int]:
+    _REPLACED[0] += 1
+    return "\ufffd", err.end  # what Python's "replace" handler returns
+
+
+codecs.register_error("jaxtrain.count_replace", _count_replace)
+
+
+def _decode_counting(raw: bytes) -> tuple[str, int]:
+    """(UTF-8 text with each invalid byte sequence replaced by U+FFFD, as ``errors="replace"`` does;
+    how many were replaced)."""
+    before = _REPLACED[0]
+    text = raw.decode("utf-8", errors="jaxtrain.count_replace")
+    return text, _REPLACED[0] - before
 
 
 def train_dataset(tokens: np.ndarray, seq_len: int, global_batch: int, seed: int) -> grain.MapDataset:

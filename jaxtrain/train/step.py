@@ -15,6 +15,7 @@ master weights). Otherwise bf16 rounding swallows updates smaller than the weigh
 """
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -146,8 +147,13 @@ def build(cfg: Config, mesh: Mesh, rules: Rules, model_spec: ModelSpec) -> StepF
     """Resolves every sharding (raising ShardingError before any compile) and jits the functions."""
     graphdef, abstract_params, axes = _split(model_spec)
     leaves = jax.tree_util.tree_leaves(axes, is_leaf=lambda x: isinstance(x, tuple))
-    rules.check_names(dict.fromkeys([n for a in leaves for n in a if n] + list(model_spec.logical_axes)),
-                      f"model '{model_spec.name}'")
+    used = dict.fromkeys([n for a in leaves for n in a if n] + list(model_spec.logical_axes))
+    rules.check_names(used, f"model '{model_spec.name}'")
+    unknown = [n for n in cfg.sharding.extra_rules if n not in used]
+    if unknown:  # a mistyped name would otherwise add a rule nothing reads, and shard nothing
+        near = difflib.get_close_matches(unknown[0], list(used), n=1)
+        raise ConfigError(f"sharding.extra_rules: '{unknown[0]}' is not a logical name of model '{model_spec.name}'"
+                          f"{f' (did you mean {near[0]!r}?)' if near else ''}; its names: {', '.join(used)}")
     shapes = param_tree(abstract_params, lambda v: v.get_value())
     param_sh = tree_shardings(rules, mesh, shapes, axes)
     model_dtypes = param_tree(abstract_params, lambda v: v.get_value().dtype)

@@ -4,7 +4,7 @@ import pytest
 from jaxtrain import config as cfglib
 from jaxtrain.analysis import report
 from jaxtrain.checkpoint import storage
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, DataError
 from jaxtrain.interop import hf
 from jaxtrain.parallel.rules import Rules
 
@@ -40,3 +40,23 @@ def test_report_names_an_unknown_image_type_and_a_broken_run_config(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0, "step_time_s": 0.1}\n')
     with pytest.raises(ConfigError, match=r"config.yaml is not a run's config \(ParserError: "):
         report.load(tmp_path)
+
+
+def test_windows_mode_reads_text_only_and_counts_what_it_replaces(tmp_path, corpus_path):
+    from jaxtrain.data import corpus
+
+    records = tmp_path / "docs.jsonl"
+    records.write_text('{"text": "hello"}\n' * 2000)
+    with pytest.raises(ConfigError, match=r"^data.format: jsonl needs data.mode=packed or padded \(windows reads "):
+        cfglib.load(None, [f"data.path={records}", "data.format=jsonl"])
+    cfg = cfglib.load(None, [f"data.path={records}", "data.tokenizer=char", "data.seq_len=16"])
+    with pytest.raises(DataError, match=rf"^data.path: '{records}' is JSONL records by its name, and data.mode="):
+        corpus.load(cfg)
+    as_text = cfglib.load(None, [f"data.path={records}", "data.format=text", "data.tokenizer=char", "data.seq_len=16"])
+    assert corpus.load(as_text).info == []  # read as text when asked
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes(open(corpus_path, "rb").read()[:20000] + "café résumé".encode("latin-1"))
+    got = corpus.load(cfglib.load(None, [f"data.path={latin}", "data.tokenizer=char", "data.seq_len=16"]))
+    assert got.info == [f"data: replaced 3 invalid UTF-8 sequence(s) in '{latin}' with U+FFFD"]
+    byte = corpus.load(cfglib.load(None, [f"data.path={latin}", "data.tokenizer=byte", "data.seq_len=16"]))
+    assert byte.info == []  # the byte tokenizer keeps every byte: nothing replaced

@@ -115,6 +115,13 @@ def test_a_name_without_rule_is_named_for_the_family_and_extra_rules_add_it(tmp_
                                                                                                          "tensor")
 
 
+def test_a_mistyped_name_in_extra_rules_is_named_not_ignored():
+    with pytest.raises(ConfigError) as e:  # 'heds' would add a rule nothing reads: the heads stay unsplit
+        build("fsdp_tp", "mesh.fsdp=4", "mesh.tensor=2", "sharding.extra_rules={heds: [tensor]}")
+    assert str(e.value).startswith("sharding.extra_rules: 'heds' is not a logical name of model 'llama' (did you "
+                                   "mean 'heads'?); its names: ")
+
+
 def test_mesh_product_not_device_count_names_every_axis():
     from jaxtrain.parallel.mesh import resolve_sizes
     with pytest.raises(ConfigError) as e:

@@ -1,6 +1,7 @@
 """The processes of a multi-process run acting as one checkpointer: who writes, barriers, agreement."""
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any, Optional
@@ -36,9 +37,15 @@ def use_replica_parallel_writes() -> None:
     handler per type for the whole process, so this sets it there (with the per-array metadata store
     its default handler has); the files it writes are read the same either way."""
     from orbax.checkpoint._src.metadata.array_metadata_store import Store  # no public name in 0.12
-    ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(
-        use_replica_parallel=jax.process_count() > 1, array_metadata_store=Store(),
-        min_slice_bytes_for_replica_parallel=REPLICA_PARALLEL_MIN_BYTES), override=True)
+    absl = logging.getLogger("absl")  # Orbax warns of the override, which is the point: not on every run
+    level = absl.level
+    absl.setLevel(logging.ERROR)
+    try:
+        ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(
+            use_replica_parallel=jax.process_count() > 1, array_metadata_store=Store(),
+            min_slice_bytes_for_replica_parallel=REPLICA_PARALLEL_MIN_BYTES), override=True)
+    finally:
+        absl.setLevel(level)
 
 
 def agree(error: Optional[BaseException], what: str) -> Optional[BaseException]:

@@ -136,7 +136,8 @@ def resume_changes(cfg: Config, run_dir: Path) -> tuple[list[str], list[str]]:
     layout.add("model.family")
     shape_keys = [f"{k}: checkpoint has {saved[k]!r}, config has {new[k]!r}" for k in changed if k in layout]
     notes = [f"{k} changed from {saved[k]!r} to {new[k]!r}" for k in changed
-             if k in STREAM_KEYS or (k.startswith("optimizer.") and k != "optimizer.decay_steps")]
+             if k in STREAM_KEYS or (k.startswith("optimizer.") and k != "optimizer.decay_steps")
+             or (k.startswith("model.") and k not in layout)]  # e.g. top_k, dtype, remat: allowed, but said
     old_horizon = saved.get("optimizer.decay_steps") or saved.get("train.steps")
     if old_horizon and old_horizon != cfg.decay_steps:
         keep = (f"; set optimizer.decay_steps={old_horizon} to keep the old schedule"

@@ -83,10 +83,11 @@ def test_resume_notes_name_changed_data_and_optimizer_keys(small_cfg):
     Path(cfg.run.dir).mkdir(parents=True)
     rundir.write_config_file(cfg, Path(cfg.run.dir))
     shape_keys, notes = rundir.resume_changes(
-        small_cfg("train.steps=4", "optimizer.lr=5e-4", "optimizer.b2=0.95", "data.seed=3"), Path(cfg.run.dir))
+        small_cfg("train.steps=4", "optimizer.lr=5e-4", "optimizer.b2=0.95", "data.seed=3", "model.remat=full"),
+        Path(cfg.run.dir))
     assert shape_keys == []
-    assert notes == ["data.seed changed from 0 to 3", "optimizer.lr changed from 0.001 to 0.0005",
-                     "optimizer.b2 changed from 0.99 to 0.95"]
+    assert notes == ["model.remat changed from 'none' to 'full'", "data.seed changed from 0 to 3",
+                     "optimizer.lr changed from 0.001 to 0.0005", "optimizer.b2 changed from 0.99 to 0.95"]
 
 
 def test_the_jitted_sampler_equals_a_token_by_token_loop_with_a_sliding_window():

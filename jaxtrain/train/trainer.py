@@ -183,6 +183,8 @@ def resume(s: Setup, ckpt: Optional[Checkpointer], batches, run_dir: Path, out: 
             raise
         raise CheckpointError(f"{err}\nconfig keys changed since the checkpoint (use a new run.dir "
                               f"or the saved values):\n  " + "\n  ".join(shape_keys)) from err
+    for key in shape_keys:  # restored all the same (e.g. param_dtype: the values were cast)
+        out.info(f"[yellow]note:[/] {key} (restored as the config says)")
     if data_state:  # empty for an imported checkpoint (jaxtrain.export --import)
         batches.set_state(data_state)
     saved_mesh = ckpt.saved_mesh(latest)

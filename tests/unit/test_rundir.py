@@ -165,3 +165,12 @@ def test_a_row_cut_short_by_a_crash_is_dropped_on_resume_and_skipped_by_readers(
     path.write_bytes(b'{"step": 1}\nnot json\n{"step": 2}\n')  # damage inside the file: named, never guessed
     with pytest.raises(ConfigError, match=r"metrics.jsonl: line 2 is not a JSON row"):
         read_metrics(cfg.run.dir)
+
+
+def test_a_layout_key_that_still_restores_is_said(small_cfg, capsys):
+    cfg = small_cfg("train.steps=2", "checkpoint.every=2", "mesh.data=1", run_dir="d")
+    fit(cfg, devices=jax.devices()[:1], quiet=True)
+    fit(small_cfg("train.steps=3", "checkpoint.every=2", "mesh.data=1", "model.param_dtype=bfloat16", run_dir="d"),
+        devices=jax.devices()[:1], quiet=True)
+    assert ("note: model.param_dtype: checkpoint has 'float32', config has 'bfloat16' (restored as the config says)"
+            in capsys.readouterr().out)

@@ -122,3 +122,10 @@ def append_result_row(header: str, row: str, intro: str = "", path: Path = HERE_
     else:
         lines += ["", *( [intro, ""] if intro else []), header, "|" + "---|" * (header.count("|") - 1), row]
     path.write_text("\n".join(lines) + "\n")
+
+
+def append_result_rows(header: str, rows: list[str], intro: str = "", path: Path = HERE_RESULTS) -> None:
+    """:func:`append_result_row` for each of ``rows``, in order, then says how many were appended."""
+    for row in rows:
+        append_result_row(header, row, intro, path)
+    print(f"appended {len(rows)} rows to {path}")

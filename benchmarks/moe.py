@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _bench import append_result_row, commit, hardware
+from _bench import append_result_rows, commit, hardware
 
 HERE = Path(__file__).resolve().parent
 CASES = [  # (name, devices, config, overrides)
@@ -85,9 +85,7 @@ def main(argv=None) -> int:
         rows.append(f"| {date} | {hardware()} | {commit()} | {name}{' (quick)' if a.quick else ''} | {devices} | "
                     f"{ms:.1f} | {tps:,.0f} | {mfu} | {ms / dense:.2f}x |")
     if a.write_results:
-        for row in rows:
-            append_result_row(HEADER, row, INTRO)
-        print(f"appended {len(rows)} rows to {HERE / 'RESULTS.md'}")
+        append_result_rows(HEADER, rows, INTRO)
     return 0
 
 

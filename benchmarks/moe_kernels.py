@@ -36,7 +36,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _bench import append_result_row, commit, hardware
+from _bench import append_result_rows, commit, hardware
 
 from jaxtrain.kernels import moe as kernels
 
@@ -164,9 +164,7 @@ def main(argv=None) -> int:
         rows.append(f"| {date} | {hardware()} | {commit()} | {name}{' (quick)' if a.quick else ''} | {ms:.2f} | "
                     f"{ms / (1e3 * dense):.2f}x | {diff} |")
     if a.write_results:
-        for row in rows:
-            append_result_row(HEADER, row, INTRO)
-        print(f"appended {len(rows)} rows to RESULTS.md")
+        append_result_rows(HEADER, rows, INTRO)
     return 0
 
 

@@ -174,7 +174,8 @@ def fresh_start_notes(cfg: Config, run_dir: Path) -> list[str]:
 
     Raises:
       ConfigError: the directory holds a run whose checkpoints were in another ``checkpoint.dir``
-        (a changed or mistyped one would start it over and drop its metrics): nothing is written.
+        (a changed or mistyped one would start it over and drop its metrics); its metrics and
+        config.yaml are left as they were.
     """
     last = _last_step(run_dir / "metrics.jsonl")
     saved_path = run_dir / "config.yaml"
@@ -190,8 +191,8 @@ def fresh_start_notes(cfg: Config, run_dir: Path) -> list[str]:
         was = saved_dir or f"{run_dir / 'checkpoints'} (the default)"
         raise ConfigError(f"checkpoint.dir: {where} holds no checkpoint, but run.dir {run_dir} holds a run to step "
                           f"{last} whose checkpoints were in {was}: starting it over would drop its metrics. To "
-                          f"resume, set checkpoint.dir back; to start a new run, use a new run.dir. Nothing was "
-                          f"written")
+                          f"resume, set checkpoint.dir back; to start a new run, use a new run.dir. Its "
+                          f"metrics.jsonl and config.yaml are left as they were")
     return [f"no checkpoint to resume: starting at step 0 (metrics.jsonl's rows to step {last}, of an earlier "
             f"attempt, are dropped)"]
 

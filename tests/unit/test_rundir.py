@@ -123,7 +123,7 @@ def test_no_sample_is_drawn_or_printed_when_train_sample_tokens_is_0(small_cfg, 
 
 def test_a_changed_checkpoint_dir_never_starts_a_run_over(small_cfg, tmp_path):
     """A mistyped checkpoint.dir finds no checkpoint: starting at step 0 would drop the run's metrics
-    and rewrite its config.yaml. Refused (exit 2) before anything is written."""
+    and rewrite its config.yaml. Refused (exit 2), and both are left as they were."""
     cfg = small_cfg("train.steps=4", "checkpoint.every=2", "mesh.data=1", run_dir="c")
     fit(cfg, devices=jax.devices()[:1], quiet=True)
     files = {name: (Path(cfg.run.dir) / name).read_bytes() for name in ("metrics.jsonl", "config.yaml")}
@@ -135,7 +135,7 @@ def test_a_changed_checkpoint_dir_never_starts_a_run_over(small_cfg, tmp_path):
     assert str(e.value) == (f"checkpoint.dir: {typo} holds no checkpoint, but run.dir {cfg.run.dir} holds a run to "
                             f"step 4 whose checkpoints were in {cfg.run.dir}/checkpoints (the default): starting it "
                             f"over would drop its metrics. To resume, set checkpoint.dir back; to start a new run, "
-                            f"use a new run.dir. Nothing was written")
+                            f"use a new run.dir. Its metrics.jsonl and config.yaml are left as they were")
     assert {name: (Path(cfg.run.dir) / name).read_bytes() for name in files} == files
     assert not typo.exists() or not any(typo.iterdir())
 

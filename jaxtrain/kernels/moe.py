@@ -164,7 +164,8 @@ def _expert_buffers_swiglu(rows: jax.Array, w_gate, w_up, w_down) -> jax.Array:
     """rows [E, slots, embed] through expert e's SwiGLU each -> [E, slots, embed].
 
     One batched matmul per weight on GPU and TPU. On CPU, with at most ``UNROLL_EXPERTS`` experts, one
-    2-D SwiGLU per expert instead (the same values, bit for bit): XLA:CPU runs a 2-D matmul faster
+    2-D SwiGLU per expert instead (the same values; bit for bit on the AMD EPYC it was measured on,
+    though another CPU's kernels may round differently): XLA:CPU runs a 2-D matmul faster
     than a slice of a batched one and runs two experts' at once on two cores (``benchmarks/moe_kernels.py``:
     "per-expert 2-D" against "batched [E, M/E]").
     """

@@ -143,9 +143,11 @@ def test_the_cpu_blocked_grouped_matmul_equals_ragged_dot_values_and_gradients()
         np.asarray(expert) == 4].any()  # rows without an expert: 0
 
 
-def test_the_cpu_per_expert_swiglu_is_bitwise_the_batched_one_with_its_gradients(monkeypatch):
+def test_the_cpu_per_expert_swiglu_equals_the_batched_one_with_its_gradients(monkeypatch):
     """Capacity buffers on CPU run one 2-D SwiGLU per expert; the batched form (GPU/TPU, or more
-    experts than UNROLL_EXPERTS) gives the same bits, forward and backward."""
+    experts than UNROLL_EXPERTS) gives the same values, forward and backward (bitwise on the AMD
+    EPYC this was written on; a CPU whose 2-D and batched matmul kernels sum in another order may
+    differ in the last bits, hence the float32-rounding tolerance)."""
     from jaxtrain.kernels import moe as kernels
     rng = np.random.default_rng(1)
     args = [jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((4, 40, 16), (4, 16, 24), (4, 16, 24), (4, 24, 16))]
@@ -163,7 +165,7 @@ def test_the_cpu_per_expert_swiglu_is_bitwise_the_batched_one_with_its_gradients
     assert dots() == 3
     batched = both()(*args)
     for got, want in zip(per_expert, batched):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6 * float(jnp.abs(want).max()))
 
 
 def test_flops_per_token_count_the_active_parameters():

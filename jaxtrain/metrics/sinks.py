@@ -47,7 +47,7 @@ class JsonlSink:
         would be appended to it). Rewrites the file atomically."""
         self._file.close()
         lines, torn = _complete_lines(self.path.read_bytes() if self.path.exists() else b"")
-        keep = [ln for ln in lines if ln.strip() and _step_of(ln) <= step]
+        keep = [ln for ln in lines if ln.strip() and step_of(ln) <= step]
         if torn or len(keep) != len(lines):
             tmp = self.path.with_suffix(".jsonl.tmp")
             tmp.write_bytes(b"".join(ln + b"\n" for ln in keep))
@@ -244,7 +244,8 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _step_of(line: bytes) -> int:
+def step_of(line: bytes) -> int:
+    """A metrics line's ``step`` (0 when the line is not a JSON row)."""
     try:
         return int(json.loads(line).get("step", 0))
     except (ValueError, AttributeError, TypeError):

@@ -147,15 +147,9 @@ def resume_changes(cfg: Config, run_dir: Path) -> tuple[list[str], list[str]]:
 
 
 def _last_step(metrics: Path) -> int:
-    """The highest ``step`` of the rows in ``metrics`` (0: none, or no file; unreadable lines skipped)."""
-    last = 0
-    if metrics.is_file():
-        for line in metrics.read_bytes().splitlines():
-            try:
-                last = max(last, int(json.loads(line).get("step", 0)))
-            except (ValueError, AttributeError, TypeError):
-                continue
-    return last
+    """The highest ``step`` of the rows in ``metrics`` (0: none, or no file; unreadable lines count 0)."""
+    from jaxtrain.metrics.sinks import step_of
+    return max(map(step_of, metrics.read_bytes().splitlines()), default=0) if metrics.is_file() else 0
 
 
 def _same_place(a: Any, b: Any, run_dir: Path) -> bool:

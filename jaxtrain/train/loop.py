@@ -208,6 +208,7 @@ class TrainLoop:
     result: RunResult
     start: int
     ckpt: Any = None  # the run's Checkpointer (None: checkpoint.enabled=false)
+    precompiled: Any = None  # the step and evaluation compiling meanwhile (jaxtrain.train.precompile); None: here
     watch: Any = None  # the hang watchdog (jaxtrain.runtime.watchdog.Watchdog); None: unwatched
     # Seconds summed since the start: waiting for batches, and time that was not training, by cause
     # ('evaluation', 'checkpoint'); train rows report per-interval differences of these.
@@ -250,6 +251,8 @@ class TrainLoop:
         if record and self.last_eval.get("step") == step:
             return {k: v for k, v in self.last_eval.items() if k != "step"}
         jax.block_until_ready(self.state)  # the steps in flight are training time, not evaluation
+        if self.precompiled is not None:
+            self.precompiled.wait_evaluation()
         t0 = time.perf_counter()
         work = self.begin("the evaluation", step, scale=max(1.0, self.n_val / self.cfg.train.grad_accum))
         outs = self.setup.fns.evaluate(self.state["params"], self.val)  # one program
@@ -321,11 +324,16 @@ class TrainLoop:
         return every
 
     def _compile(self, hooks: Sequence[Hook], batch: dict):
-        """The train step compiled on the first real batch, timed, for the hooks to report."""
+        """The train step compiled for the first real batch (ahead of it, when that compile fits the
+        batch and the state), timed, for the hooks to report."""
         t0 = time.perf_counter()
         with self.out.status("compiling the train step"):
-            step_fn = self.setup.fns.train_step.lower(self.state, batch).compile()
-        self.result.compile_s = time.perf_counter() - t0
+            step_fn = self.precompiled.train_step(self.state, batch) if self.precompiled is not None else None
+            if step_fn is None:
+                step_fn = self.setup.fns.train_step.lower(self.state, batch).compile()
+                self.result.compile_s = time.perf_counter() - t0
+            else:
+                self.result.compile_s = self.precompiled.seconds
         for hook in hooks:
             hook.on_compile(self, step_fn, self.result.compile_s)
         return step_fn

@@ -29,6 +29,7 @@ from jaxtrain.train import hooks as H
 from jaxtrain.train.assembly import Setup, setup
 from jaxtrain.train.loop import Hook, RunResult, TrainLoop
 from jaxtrain.train.model_spec import ModelSpec
+from jaxtrain.train.precompile import Precompile
 from jaxtrain.train.step import count_params
 
 
@@ -80,6 +81,7 @@ def _fit(s: Setup, run_dir: Path, out: Reporter, extra: Sequence[Hook]) -> RunRe
         loop.write(row.pop("step"), row)
 
     try:
+        precompiled = Precompile(s, data.val)  # while the state is built
         ckpt = open_checkpointer(s, run_dir, out, on_checkpoint)
         batches = data.iterator(s.fns.batch_sharding)
         state = resume(s, ckpt, batches, run_dir, out)
@@ -103,7 +105,8 @@ def _fit(s: Setup, run_dir: Path, out: Reporter, extra: Sequence[Hook]) -> RunRe
                      f"parameters (e.g. {s.fns.low_precision[0]}) and their Adam moments are updated in place; "
                      f"updates below a weight's resolution are lost")
         watch = Watchdog(cfg.train.hang_timeout_s, run_dir, jax.process_index())
-        loop = TrainLoop(s, state, batches, val, sinks, out, result, start, ckpt=ckpt, watch=watch)
+        loop = TrainLoop(s, state, batches, val, sinks, out, result, start, ckpt=ckpt, watch=watch,
+                         precompiled=precompiled)
         hooks = builtin_hooks(s, ckpt, peak, run_dir)
         stop = next(h for h in hooks if isinstance(h, H.StopOnSignal))
         ok = False

@@ -62,9 +62,12 @@ class GcWatch(Hook):
 
     def __init__(self, monkeypatch):
         self.enabled, self.collected, self.now = {}, [], 0
-        collect = gc.collect
+        self.frozen = []  # (step, freeze count) at each freeze/unfreeze
+        collect, freeze, unfreeze = gc.collect, gc.freeze, gc.unfreeze
         monkeypatch.setattr(gc, "collect", lambda generation=2: (self.collected.append((self.now, generation)),
                                                                   collect(generation))[1])
+        monkeypatch.setattr(gc, "freeze", lambda: (freeze(), self.frozen.append((self.now, gc.get_freeze_count()))))
+        monkeypatch.setattr(gc, "unfreeze", lambda: (unfreeze(), self.frozen.append((self.now, gc.get_freeze_count()))))
 
     def after_step(self, loop, rec):
         self.enabled[rec.step], self.now = gc.isenabled(), rec.step
@@ -82,7 +85,10 @@ def test_automatic_gc_is_off_in_the_loop_and_young_collections_run_every_gc_ever
     # (hooks run in the given order where nothing is declared: the GC hook's collection after step s is
     # seen before this hook records s)
     assert watch.enabled == {s: every == 0 for s in range(1, 8)}
-    assert [c for c in watch.collected if c[1] == 1] == ([(0, 1), (2, 1), (5, 1)] if every else [])
+    assert [c for c in watch.collected if c[1] == 1] == ([(2, 1), (5, 1)] if every else [])
+    # What was alive before the loop is frozen out of those collections, and released at its end.
+    assert [(step, count > 0) for step, count in watch.frozen] == ([(0, True), (7, False)] if every else [])
+    assert gc.get_freeze_count() == 0
 
 
 def poison_first_batches(monkeypatch, n_bad: int):

@@ -1,0 +1,93 @@
+"""The train step and evaluation compiled ahead on their own thread (jaxtrain.train.precompile)."""
+import threading
+
+import jax
+import numpy as np
+import pytest
+from jax._src import dispatch
+
+from jaxtrain.errors import ShardingError
+from jaxtrain.train import fit, setup
+from jaxtrain.train.precompile import Precompile
+from jaxtrain.train.step import TrainStep
+from jaxtrain.train.trainer import put_validation
+
+
+@pytest.fixture
+def run(small_cfg):
+    s = setup(small_cfg("train.eval_batches=3", "mesh.data=1"), jax.devices()[:1], load_data=True)
+    batch = next(s.data.iterator(s.fns.batch_sharding))
+    return s, batch
+
+
+def raw(x: jax.Array) -> np.ndarray:
+    """An array's values (a PRNG key's as its key data)."""
+    return np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x)
+
+
+def test_the_step_compiled_ahead_computes_what_the_jitted_step_does(run):
+    s, batch = run
+    pre = Precompile(s, s.data.val)
+    state = s.fns.init()
+    compiled = pre.train_step(state, batch)
+    assert compiled is not None and pre.seconds > 0
+    new, metrics = compiled(jax.tree.map(lambda x: x.copy(), state), batch)  # the step donates its state
+    ref_new, ref_metrics = s.fns.train_step(s.fns.init(), batch)
+    assert float(metrics["loss"]) == float(ref_metrics["loss"])
+    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(ref_new)):
+        np.testing.assert_array_equal(raw(a), raw(b))
+
+
+def test_a_batch_or_state_other_than_compiled_for_gets_none(run):
+    s, batch = run
+    pre = Precompile(s)
+    state = s.fns.init()
+    shorter = {k: v[:, :, :-1] for k, v in batch.items()}  # another sequence length
+    assert pre.train_step(state, shorter) is None
+    cast = {**state, "step": state["step"].astype(np.int64 if jax.config.x64_enabled else np.int16)}
+    assert pre.train_step(cast, batch) is None
+    assert pre.train_step(state, batch) is not None
+
+
+def test_an_error_while_compiling_ahead_is_raised_where_the_step_is_taken(run, monkeypatch):
+    s, batch = run
+
+    def refuse(self, *a, **k):
+        raise ShardingError("activation 'x': dimension 'length' (7) does not divide over mesh axis 'sequence' (2)")
+    monkeypatch.setattr(TrainStep, "lower", refuse)
+    pre = Precompile(s)
+    with pytest.raises(ShardingError, match=r"does not divide over mesh axis 'sequence' \(2\)"):
+        pre.train_step(s.fns.init(), batch)
+
+
+def test_the_evaluation_compiled_ahead_is_not_lowered_again_by_its_first_call(run):
+    s, _ = run
+    pre = Precompile(s, s.data.val)
+    pre.wait_evaluation()
+    params, val = s.fns.init()["params"], put_validation(s.data.val, s.fns.batch_sharding)
+    seen = []
+
+    def listener(event, seconds, **kw):
+        if event == dispatch.JAXPR_TO_MLIR_MODULE_EVENT:
+            seen.append(event)
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        out = s.fns.evaluate(params, val)
+        assert out["loss"].shape == (3,)
+        assert seen == []
+        s.fns.evaluate.lower(params, {k: v[:2] for k, v in val.items()})  # another shape: lowered anew
+        assert seen  # the listener does see a lowering
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+@pytest.mark.parametrize("mesh", [("mesh.data=1",), ("mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2")])
+def test_fit_traces_the_train_step_once_on_the_precompile_thread(small_cfg, monkeypatch, mesh):
+    threads = []
+    lower = TrainStep.lower
+    monkeypatch.setattr(TrainStep, "lower", lambda self, *a, **k: (threads.append(threading.current_thread().name),
+                                                                    lower(self, *a, **k))[1])
+    cfg = small_cfg("train.steps=2", *mesh, "checkpoint.enabled=false", "train.sample_tokens=0")
+    result = fit(cfg, devices=jax.devices()[:cfg.mesh.fsdp * cfg.mesh.tensor], quiet=True)
+    assert threads == ["jaxtrain-precompile"]
+    assert result.compile_s > 0 and np.isfinite(result.val_loss)

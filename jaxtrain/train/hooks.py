@@ -333,6 +333,8 @@ class Sample(Hook):
         if self.bos_id is not None:
             prompt = np.concatenate([[self.bos_id], prompt]).astype(np.int32)
         unk = getattr(tok, "unk", None)
+        if loop.precompiled is not None:
+            loop.precompiled.wait("sample")
         work = loop.begin("the sample", scale=max(1.0, t.sample_tokens / 8))
         ids = generate(loop.setup.fns.apply, loop.state["params"], prompt, t.sample_tokens, loop.cfg.data.seq_len,
                        t.sample_temperature, t.seed, banned=() if unk is None else (unk,),

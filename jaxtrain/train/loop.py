@@ -252,7 +252,7 @@ class TrainLoop:
             return {k: v for k, v in self.last_eval.items() if k != "step"}
         jax.block_until_ready(self.state)  # the steps in flight are training time, not evaluation
         if self.precompiled is not None:
-            self.precompiled.wait_evaluation()
+            self.precompiled.wait("evaluation")
         t0 = time.perf_counter()
         work = self.begin("the evaluation", step, scale=max(1.0, self.n_val / self.cfg.train.grad_accum))
         outs = self.setup.fns.evaluate(self.state["params"], self.val)  # one program

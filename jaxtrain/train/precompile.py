@@ -5,8 +5,10 @@ With a warm compile cache, compiling still costs: on the shakespeare-char config
 tracing the train step takes ~0.45 s and loading each cached executable ~0.2 s, and much of the
 loading, like the init program and a restore's reads, leaves the interpreter free for the other
 thread. The train step compiled here is used only when the built state and the first batch have
-exactly the shapes, dtypes and shardings it was compiled for; otherwise the loop compiles it from
-the real arrays as before. The evaluation is compiled only to fill the caches its first call reads.
+exactly the shapes, dtypes and shardings it was compiled for, and when compiling it ahead worked;
+otherwise the loop compiles it from the real arrays as before (and a bad config raises its named
+error there, on the main thread). The evaluation is compiled only to fill the caches its first
+call reads.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from typing import Any, Optional
 
 import jax
 
+from jaxtrain.train import sample as generation
 from jaxtrain.train.assembly import Setup
 
 log = logging.getLogger("jaxtrain")
@@ -30,23 +33,24 @@ def signature(tree: Any) -> tuple:
 
 
 class Precompile:
-    """Starts compiling at once, on a daemon thread (an exit never waits for it).
+    """Starts compiling at once, on a daemon thread (an exit never waits for it): the train step,
+    then the evaluation, then the sample.
 
     Args:
       s: the run's setup; its ``abstract_state``/``abstract_batch`` give the train step's shapes.
       val: the validation batches as host arrays ``{field: [n_batches, micro, ...]}`` (None: no
         evaluation to prepare).
+      sample: ``(n_tokens, seq_len, temperature)`` of the sample the run ends with (None: none).
     """
 
-    def __init__(self, s: Setup, val: Optional[dict] = None):
-        self._step_ready, self._eval_ready = threading.Event(), threading.Event()
+    def __init__(self, s: Setup, val: Optional[dict] = None, sample: Optional[tuple] = None):
+        self._ready = {name: threading.Event() for name in ("step", "evaluation", "sample")}
         self._step: Any = None
         self._inputs: Optional[tuple] = None  # the signature of (state, batch) compiled for
-        self._error: Optional[BaseException] = None
         self.seconds = 0.0  # tracing, lowering and compiling the train step
-        threading.Thread(target=self._run, args=(s, val), name="jaxtrain-precompile", daemon=True).start()
+        threading.Thread(target=self._run, args=(s, val, sample), name="jaxtrain-precompile", daemon=True).start()
 
-    def _run(self, s: Setup, val: Optional[dict]) -> None:
+    def _run(self, s: Setup, val: Optional[dict], sample: Optional[tuple]) -> None:
         state = None
         try:
             t0 = time.perf_counter()
@@ -54,33 +58,38 @@ class Precompile:
             self._inputs = signature((state, batch))
             self._step = s.fns.train_step.lower(state, batch).compile()
             self.seconds = time.perf_counter() - t0
-        except BaseException as err:  # noqa: BLE001 - raised on the main thread by train_step()
-            self._error = err
+        except Exception as err:  # noqa: BLE001 - the loop compiles the step itself and raises it there
+            self._step = None
+            log.debug("precompiling the train step failed: %s", err)
         finally:
-            self._step_ready.set()
+            self._ready["step"].set()
+        # Only to fill the caches the first calls read: a failure here is the call's to raise again.
+        if state is not None and val:
+            sharding = s.fns.batch_sharding
+            shaped = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in val.items()}
+            self._warm("evaluation", lambda: s.fns.evaluate.lower(state["params"], shaped).compile())
+        self._ready["evaluation"].set()
+        if state is not None and sample is not None:
+            self._warm("sample", lambda: generation.compile_ahead(s.fns.apply, state["params"], *sample))
+        self._ready["sample"].set()
+
+    def _warm(self, name: str, compile_fn) -> None:
         try:
-            if state is not None and val:
-                sharding = s.fns.batch_sharding
-                shaped = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in val.items()}
-                s.fns.evaluate.lower(state["params"], shaped).compile()
-        except Exception as err:  # noqa: BLE001 - the evaluation's own call compiles again and raises it
-            log.debug("precompiling the evaluation failed: %s", err)
+            compile_fn()
+        except Exception as err:  # noqa: BLE001 - see _run
+            log.debug("precompiling the %s failed: %s", name, err)
         finally:
-            self._eval_ready.set()
+            self._ready[name].set()
 
     def train_step(self, state: dict, batch: dict) -> Any:
-        """The compiled train step (a ``TrainStep``) once ready, or None when ``state`` or ``batch``
-        differs from what it was compiled for.
-
-        Raises:
-          whatever tracing or compiling the step raised (e.g. ShardingError).
-        """
-        self._step_ready.wait()
-        if self._error is not None:
-            raise self._error
+        """The compiled train step (a ``TrainStep``) once ready; None when compiling it failed, or
+        when ``state`` or ``batch`` differs from what it was compiled for."""
+        self._ready["step"].wait()
+        if self._step is None:
+            return None
         return self._step if signature((state, batch)) == self._inputs else None
 
-    def wait_evaluation(self) -> None:
-        """Until the evaluation's compile (if any) finished: its first call then finds it cached
-        instead of compiling it a second time alongside."""
-        self._eval_ready.wait()
+    def wait(self, name: str) -> None:
+        """Until the compile of ``name`` ('evaluation' or 'sample') finished, if it was asked for:
+        the first call then finds it cached instead of compiling it a second time alongside."""
+        self._ready[name].wait()

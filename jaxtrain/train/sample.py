@@ -45,6 +45,16 @@ def generate(logits_fn, params, prompt_ids: np.ndarray, n_tokens: int, seq_len: 
     return np.concatenate([prompt, np.asarray(jax.device_get(new), np.int32)])
 
 
+def compile_ahead(logits_fn, params, n_tokens: int, seq_len: int, temperature: float) -> None:
+    """Compiles the program :func:`generate` runs for these settings, from shapes alone (``params``
+    may be ShapeDtypeStructs with the params' shardings), so that its call finds it cached."""
+    window = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
+    vocab = jax.eval_shape(logits_fn, params, window).shape[-1]
+    _sample_loop.lower(logits_fn, n_tokens, float(temperature), params, window, jax.ShapeDtypeStruct((), jnp.int32),
+                       jax.ShapeDtypeStruct((vocab,), jnp.bool_),
+                       jax.ShapeDtypeStruct((), jax.random.key(0).dtype)).compile()
+
+
 @partial(jax.jit, static_argnums=(0, 1, 2))
 def _sample_loop(logits_fn, n_tokens: int, temperature: float, params, window, filled, allowed, key):
     seq_len = window.shape[1]

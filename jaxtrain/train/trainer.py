@@ -81,7 +81,10 @@ def _fit(s: Setup, run_dir: Path, out: Reporter, extra: Sequence[Hook]) -> RunRe
         loop.write(row.pop("step"), row)
 
     try:
-        precompiled = Precompile(s, data.val)  # while the state is built
+        t = cfg.train
+        samples = data.tokenizer is not None and t.sample_tokens > 0  # as the Sample hook does at the end
+        sample = (t.sample_tokens, cfg.data.seq_len, t.sample_temperature) if samples else None
+        precompiled = Precompile(s, data.val, sample)  # while the state is built
         ckpt = open_checkpointer(s, run_dir, out, on_checkpoint)
         batches = data.iterator(s.fns.batch_sharding)
         state = resume(s, ckpt, batches, run_dir, out)

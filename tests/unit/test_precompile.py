@@ -1,4 +1,5 @@
-"""The train step and evaluation compiled ahead on their own thread (jaxtrain.train.precompile)."""
+"""The train step, evaluation and sample compiled ahead on their own thread (jaxtrain.train.precompile)."""
+import contextlib
 import threading
 
 import jax
@@ -9,6 +10,7 @@ from jax._src import dispatch
 from jaxtrain.errors import ShardingError
 from jaxtrain.train import fit, setup
 from jaxtrain.train.precompile import Precompile
+from jaxtrain.train.sample import generate
 from jaxtrain.train.step import TrainStep
 from jaxtrain.train.trainer import put_validation
 
@@ -23,6 +25,21 @@ def run(small_cfg):
 def raw(x: jax.Array) -> np.ndarray:
     """An array's values (a PRNG key's as its key data)."""
     return np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x)
+
+
+@contextlib.contextmanager
+def lowered():
+    """The names of the programs lowered to MLIR meanwhile (JAX's own event, one per lowering)."""
+    names = []
+
+    def listener(event, seconds, fun_name="", **kw):
+        if event == dispatch.JAXPR_TO_MLIR_MODULE_EVENT:
+            names.append(fun_name)
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield names
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def test_the_step_compiled_ahead_computes_what_the_jitted_step_does(run):
@@ -49,36 +66,51 @@ def test_a_batch_or_state_other_than_compiled_for_gets_none(run):
     assert pre.train_step(state, batch) is not None
 
 
-def test_an_error_while_compiling_ahead_is_raised_where_the_step_is_taken(run, monkeypatch):
-    s, batch = run
+def test_a_step_that_fails_to_compile_ahead_is_compiled_by_the_loop_which_raises_its_error(small_cfg, monkeypatch):
+    where = []
+    lower = TrainStep.lower
 
     def refuse(self, *a, **k):
-        raise ShardingError("activation 'x': dimension 'length' (7) does not divide over mesh axis 'sequence' (2)")
+        where.append(threading.current_thread().name)
+        if len(where) == 1:
+            raise RuntimeError("a failure of the thread alone")  # the loop's own compile then succeeds
+        return lower(self, *a, **k)
     monkeypatch.setattr(TrainStep, "lower", refuse)
-    pre = Precompile(s)
+    cfg = small_cfg("train.steps=1", "mesh.data=1", "checkpoint.enabled=false", "train.sample_tokens=0")
+    assert np.isfinite(fit(cfg, devices=jax.devices()[:1], quiet=True).val_loss)
+    assert where == ["jaxtrain-precompile", "MainThread"]
+
+    def bad(self, *a, **k):
+        raise ShardingError("activation 'x': dimension 'length' (7) does not divide over mesh axis 'sequence' (2)")
+    monkeypatch.setattr(TrainStep, "lower", bad)
     with pytest.raises(ShardingError, match=r"does not divide over mesh axis 'sequence' \(2\)"):
-        pre.train_step(s.fns.init(), batch)
+        fit(cfg.model_copy(update={"run": cfg.run.model_copy(update={"dir": cfg.run.dir + "2"})}),
+            devices=jax.devices()[:1], quiet=True)
 
 
 def test_the_evaluation_compiled_ahead_is_not_lowered_again_by_its_first_call(run):
     s, _ = run
     pre = Precompile(s, s.data.val)
-    pre.wait_evaluation()
+    pre.wait("evaluation")
     params, val = s.fns.init()["params"], put_validation(s.data.val, s.fns.batch_sharding)
-    seen = []
-
-    def listener(event, seconds, **kw):
-        if event == dispatch.JAXPR_TO_MLIR_MODULE_EVENT:
-            seen.append(event)
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with lowered() as names:
         out = s.fns.evaluate(params, val)
-        assert out["loss"].shape == (3,)
-        assert seen == []
+        assert out["loss"].shape == (3,) and "evaluate" not in " ".join(names)
         s.fns.evaluate.lower(params, {k: v[:2] for k, v in val.items()})  # another shape: lowered anew
-        assert seen  # the listener does see a lowering
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
+        assert "evaluate" in " ".join(names)
+
+
+def test_the_sample_compiled_ahead_is_not_lowered_again_by_generate(small_cfg):
+    cfg = small_cfg("mesh.data=1")
+    s = setup(cfg, jax.devices()[:1], load_data=True)
+    pre = Precompile(s, None, (7, cfg.data.seq_len, 0.8))
+    pre.wait("sample")
+    params = s.fns.init()["params"]
+    with lowered() as names:
+        ids = generate(s.fns.apply, params, np.array([1, 2, 3]), 7, cfg.data.seq_len, 0.8, seed=0)
+        assert ids.shape == (10,) and "_sample_loop" not in " ".join(names)
+        generate(s.fns.apply, params, np.array([1, 2, 3]), 8, cfg.data.seq_len, 0.8, seed=0)  # another length
+        assert "_sample_loop" in " ".join(names)
 
 
 @pytest.mark.parametrize("mesh", [("mesh.data=1",), ("mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2")])

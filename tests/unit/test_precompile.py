@@ -119,7 +119,12 @@ def test_fit_traces_the_train_step_once_on_the_precompile_thread(small_cfg, monk
     lower = TrainStep.lower
     monkeypatch.setattr(TrainStep, "lower", lambda self, *a, **k: (threads.append(threading.current_thread().name),
                                                                     lower(self, *a, **k))[1])
-    cfg = small_cfg("train.steps=2", *mesh, "checkpoint.enabled=false", "train.sample_tokens=0")
-    result = fit(cfg, devices=jax.devices()[:cfg.mesh.fsdp * cfg.mesh.tensor], quiet=True)
+    cfg = small_cfg("train.steps=2", *mesh, "checkpoint.every=2", "train.sample_tokens=0")
+    devices = jax.devices()[:cfg.mesh.fsdp * cfg.mesh.tensor]
+    result = fit(cfg, devices=devices, quiet=True)
     assert threads == ["jaxtrain-precompile"]
     assert result.compile_s > 0 and np.isfinite(result.val_loss)
+    # Resumed from the checkpoint: the restored state is what was compiled for, too.
+    resumed = fit(cfg.model_copy(update={"train": cfg.train.model_copy(update={"steps": 3})}), devices=devices,
+                  quiet=True)
+    assert resumed.start_step == 2 and threads == ["jaxtrain-precompile"] * 2

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from jaxtrain.cli.common import cli, prog
+from jaxtrain.cli.common import cli, prog, start_backend
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -47,6 +47,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("--max-shard-size goes with an export to OUT_DIR")
 
     def body() -> None:
+        start_backend()
         from jaxtrain.interop import hf
         if a.import_dir:
             cfg, notes = hf.import_config(Path(a.import_dir), a.config, a.args)

@@ -94,13 +94,15 @@ def test_train_runs_with_automatic_gc_off_unless_gc_every_is_0(monkeypatch, tmp_
     assert gc.isenabled()  # called in-process: the collector is left as it was found
 
 
-def test_a_platform_jax_cannot_start_is_bad_input_named_by_its_variable(tmp_path):
+@pytest.mark.parametrize("command", [["jaxtrain.train", "train.steps=1", "run.dir={r}"],
+                                     ["jaxtrain.export", "{r}", "{r}/out"]])  # (plan and explain run on CPU devices)
+def test_a_platform_jax_cannot_start_is_bad_input_named_by_its_variable(tmp_path, command):
     import os
     import subprocess
     import sys
     env = {**os.environ, "JAX_PLATFORMS": "nonesuch"}
-    done = subprocess.run([sys.executable, "-m", "jaxtrain.train", "train.steps=1", f"run.dir={tmp_path / 'r'}"],
-                          env=env, capture_output=True, text=True, timeout=300)
+    args = [a.format(r=tmp_path / "r") for a in command]
+    done = subprocess.run([sys.executable, "-m", *args], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.strip().splitlines()[-1].startswith(
         "error: JAX_PLATFORMS='nonesuch': JAX could not start it: Unable to initialize backend 'nonesuch': ")

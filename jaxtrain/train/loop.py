@@ -208,7 +208,7 @@ class TrainLoop:
     result: RunResult
     start: int
     ckpt: Any = None  # the run's Checkpointer (None: checkpoint.enabled=false)
-    precompiled: Any = None  # the step and evaluation compiling meanwhile (jaxtrain.train.precompile); None: here
+    precompiled: Any = None  # the step, evaluation and sample compiled meanwhile (jaxtrain.train.precompile)
     watch: Any = None  # the hang watchdog (jaxtrain.runtime.watchdog.Watchdog); None: unwatched
     # Seconds summed since the start: waiting for batches, and time that was not training, by cause
     # ('evaluation', 'checkpoint'); train rows report per-interval differences of these.

@@ -1,5 +1,5 @@
-"""The run's train step and evaluation, compiled from their shapes on a thread of their own while the
-main thread builds the state (the init program, or a restore).
+"""The run's train step, evaluation and sample, compiled from their shapes on a thread of their own
+while the main thread builds the state (the init program, or a restore).
 
 With a warm compile cache, compiling still costs: on the shakespeare-char config (2-core AMD EPYC)
 tracing the train step takes ~0.45 s and loading each cached executable ~0.2 s, and much of the
@@ -7,8 +7,8 @@ loading, like the init program and a restore's reads, leaves the interpreter fre
 thread. The train step compiled here is used only when the built state and the first batch have
 exactly the shapes, dtypes and shardings it was compiled for, and when compiling it ahead worked;
 otherwise the loop compiles it from the real arrays as before (and a bad config raises its named
-error there, on the main thread). The evaluation is compiled only to fill the caches its first
-call reads.
+error there, on the main thread). The evaluation and the sample are compiled only to fill the
+caches their first calls read.
 """
 from __future__ import annotations
 
@@ -73,13 +73,12 @@ class Precompile:
             self._warm("sample", lambda: generation.compile_ahead(s.fns.apply, state["params"], *sample))
         self._ready["sample"].set()
 
-    def _warm(self, name: str, compile_fn) -> None:
+    @staticmethod
+    def _warm(name: str, compile_fn) -> None:
         try:
             compile_fn()
         except Exception as err:  # noqa: BLE001 - see _run
             log.debug("precompiling the %s failed: %s", name, err)
-        finally:
-            self._ready[name].set()
 
     def train_step(self, state: dict, batch: dict) -> Any:
         """The compiled train step (a ``TrainStep``) once ready; None when compiling it failed, or

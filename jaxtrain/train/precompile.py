@@ -32,9 +32,17 @@ def signature(tree: Any) -> tuple:
     return treedef, [(x.shape, x.dtype, getattr(x, "weak_type", False), x.sharding) for x in leaves]
 
 
+THREAD_NAME = "jaxtrain-precompile"
+
+
 class Precompile:
-    """Starts compiling at once, on a daemon thread (an exit never waits for it): the train step,
-    then the evaluation, then the sample.
+    """Starts compiling at once, on a thread of its own: the train step, then the evaluation, then
+    the sample.
+
+    Not a daemon thread: at its end a Python process waits for a compile in flight, where tearing
+    the interpreter down under it aborted the process (exit 134, "FATAL: exception not rethrown").
+    The command line ends with ``os._exit`` and does not wait (``jaxtrain.cli.common.exit_now``).
+    :meth:`cancel` skips what has not started.
 
     Args:
       s: the run's setup; its ``abstract_state``/``abstract_batch`` give the train step's shapes.
@@ -45,10 +53,11 @@ class Precompile:
 
     def __init__(self, s: Setup, val: Optional[dict] = None, sample: Optional[tuple] = None):
         self._ready = {name: threading.Event() for name in ("step", "evaluation", "sample")}
+        self._cancelled = threading.Event()
         self._step: Any = None
         self._inputs: Optional[tuple] = None  # the signature of (state, batch) compiled for
         self.seconds = 0.0  # tracing, lowering and compiling the train step
-        threading.Thread(target=self._run, args=(s, val, sample), name="jaxtrain-precompile", daemon=True).start()
+        threading.Thread(target=self._run, args=(s, val, sample), name=THREAD_NAME).start()
 
     def _run(self, s: Setup, val: Optional[dict], sample: Optional[tuple]) -> None:
         state = None
@@ -64,12 +73,12 @@ class Precompile:
         finally:
             self._ready["step"].set()
         # Only to fill the caches the first calls read: a failure here is the call's to raise again.
-        if state is not None and val:
+        if state is not None and val and not self._cancelled.is_set():
             sharding = s.fns.batch_sharding
             shaped = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in val.items()}
             self._warm("evaluation", lambda: s.fns.evaluate.lower(state["params"], shaped).compile())
         self._ready["evaluation"].set()
-        if state is not None and sample is not None:
+        if state is not None and sample is not None and not self._cancelled.is_set():
             self._warm("sample", lambda: generation.compile_ahead(s.fns.apply, state["params"], *sample))
         self._ready["sample"].set()
 
@@ -87,6 +96,10 @@ class Precompile:
         if self._step is None:
             return None
         return self._step if signature((state, batch)) == self._inputs else None
+
+    def cancel(self) -> None:
+        """The run ended (or failed): compiles not yet started are skipped; one in flight finishes."""
+        self._cancelled.set()
 
     def wait(self, name: str) -> None:
         """Until the compile of ``name`` ('evaluation' or 'sample') finished, if it was asked for:

@@ -76,6 +76,7 @@ def _fit(s: Setup, run_dir: Path, out: Reporter, extra: Sequence[Hook]) -> RunRe
     sinks = Sinks(cfg, run_dir, out, s.model_spec.unit, primary=primary)
     result = RunResult(run_dir=run_dir)
     loop: Optional[TrainLoop] = None
+    precompiled: Optional[Precompile] = None
 
     def on_checkpoint(row: dict) -> None:  # committed or failed saves, reported by the checkpointer
         loop.write(row.pop("step"), row)
@@ -120,6 +121,8 @@ def _fit(s: Setup, run_dir: Path, out: Reporter, extra: Sequence[Hook]) -> RunRe
             stop.release(ok)
             watch.close()
     finally:
+        if precompiled is not None:
+            precompiled.cancel()
         sinks.close()
     return result
 

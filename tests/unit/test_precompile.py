@@ -1,15 +1,21 @@
 """The train step, evaluation and sample compiled ahead on their own thread (jaxtrain.train.precompile)."""
 import contextlib
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 
 import jax
 import numpy as np
 import pytest
+import xla_test_flags
+import yaml
 from jax._src import dispatch
 
 from jaxtrain.errors import ShardingError
 from jaxtrain.train import fit, setup
-from jaxtrain.train.precompile import Precompile
+from jaxtrain.train.precompile import THREAD_NAME, Precompile
 from jaxtrain.train.sample import generate
 from jaxtrain.train.step import TrainStep
 from jaxtrain.train.trainer import put_validation
@@ -128,3 +134,35 @@ def test_fit_traces_the_train_step_once_on_the_precompile_thread(small_cfg, monk
     resumed = fit(cfg.model_copy(update={"train": cfg.train.model_copy(update={"steps": 3})}), devices=devices,
                   quiet=True)
     assert resumed.start_step == 2 and threads == ["jaxtrain-precompile"] * 2
+
+
+def test_cancel_skips_the_compiles_not_yet_started(run):
+    s, _ = run
+    pre = Precompile(s, s.data.val)
+    pre.cancel()  # while the step still compiles: the evaluation is then never started
+    pre.wait("evaluation")
+    params, val = s.fns.init()["params"], put_validation(s.data.val, s.fns.batch_sharding)
+    with lowered() as names:
+        s.fns.evaluate(params, val)
+    assert "evaluate" in " ".join(names)
+
+
+def test_a_process_that_ends_while_a_compile_is_in_flight_exits_cleanly(small_cfg, tmp_path):
+    # A daemon thread torn down mid-compile aborted the interpreter (exit 134, "FATAL: exception not rethrown").
+    config = tmp_path / "small.yaml"
+    config.write_text(yaml.safe_dump(small_cfg("mesh.data=1").to_dict()))
+    script = tmp_path / "ends_early.py"
+    script.write_text(textwrap.dedent(f"""
+        import threading, time, jax
+        from jaxtrain import config
+        from jaxtrain.train import setup
+        from jaxtrain.train.precompile import THREAD_NAME, Precompile
+        s = setup(config.load({str(config)!r}, []), jax.devices()[:1], load_data=True)
+        Precompile(s, s.data.val)
+        time.sleep(1.0)  # past the tracing, into XLA's compile
+        print([t.name for t in threading.enumerate() if t.is_alive()].count(THREAD_NAME), flush=True)
+    """))
+    env = {**os.environ, "XLA_FLAGS": xla_test_flags.with_devices(1)}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert (done.returncode, done.stdout) == (0, "1\n"), done.stderr[-2000:]  # it ended with the compile in flight
+    assert "FATAL" not in done.stderr and THREAD_NAME == "jaxtrain-precompile"

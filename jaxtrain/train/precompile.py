@@ -60,6 +60,13 @@ class Precompile:
         threading.Thread(target=self._run, args=(s, val, sample), name=THREAD_NAME).start()
 
     def _run(self, s: Setup, val: Optional[dict], sample: Optional[tuple]) -> None:
+        try:
+            self._compile_all(s, val, sample)
+        finally:  # whatever ended the thread, no caller waits for it forever
+            for ready in self._ready.values():
+                ready.set()
+
+    def _compile_all(self, s: Setup, val: Optional[dict], sample: Optional[tuple]) -> None:
         state = None
         try:
             t0 = time.perf_counter()

@@ -166,3 +166,19 @@ def test_a_process_that_ends_while_a_compile_is_in_flight_exits_cleanly(small_cf
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert (done.returncode, done.stdout) == (0, "1\n"), done.stderr[-2000:]  # it ended with the compile in flight
     assert "FATAL" not in done.stderr and THREAD_NAME == "jaxtrain-precompile"
+
+
+def test_whatever_ends_the_thread_its_waiters_are_released(run, monkeypatch):
+    s, _ = run
+
+    def broken(name, compile_fn):  # an error outside the guarded compiles: nothing may wait forever
+        raise RuntimeError("broken")
+    monkeypatch.setattr(Precompile, "_warm", staticmethod(broken))
+    pre = Precompile(s, s.data.val, (4, s.cfg.data.seq_len, 1.0))
+    waiters = [threading.Thread(target=pre.wait, args=(name,)) for name in ("evaluation", "sample")]
+    for w in waiters:
+        w.start()
+    for w in waiters:
+        w.join(timeout=60)
+    assert [w.is_alive() for w in waiters] == [False, False]
+    assert pre.train_step(s.fns.init(), next(s.data.iterator(s.fns.batch_sharding))) is not None

@@ -50,7 +50,8 @@ def get(name: str) -> "Family":
     Raises:
       ConfigError: no such family, or its package does not define a matching ``FAMILY``.
     """
-    known = _all()
+    # A built-in name wins over a plugin's, so it needs no scan of the installed packages (~10 ms each).
+    known = FAMILIES if name in FAMILIES else _all()
     if name not in known:
         raise ConfigError(f"model.family: unknown family '{name}' (known: {', '.join(sorted(known))}, and custom "
                           f"for a model given to jaxtrain.fit in Python)")

@@ -26,7 +26,7 @@ from jaxtrain.cli.common import (
     start_backend,
 )
 from jaxtrain.metrics import peak_cache
-from jaxtrain.runtime import signals, xla_flags
+from jaxtrain.runtime import cpu_dispatch, signals, xla_flags
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -61,7 +61,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             cfg = load(args.config, args.overrides)
             if not cfg.train.gc_every and collecting:
                 gc.enable()
-            join.start(cfg.distributed)  # before anything touches a device
+            if join.start(cfg.distributed) is None:  # before anything touches a device
+                cpu_dispatch.run_inline()  # one process: its one-device CPU programs run inline
             start_backend()
             signals.check_startup()
             fit(cfg)

@@ -94,6 +94,16 @@ def test_train_runs_with_automatic_gc_off_unless_gc_every_is_0(monkeypatch, tmp_
     assert gc.isenabled()  # called in-process: the collector is left as it was found
 
 
+def test_a_single_process_run_dispatches_its_cpu_programs_inline(monkeypatch, tmp_path):
+    import jaxtrain.train as train_pkg
+    from jaxtrain.runtime import cpu_dispatch
+    calls = []
+    monkeypatch.setattr(train_pkg, "fit", lambda cfg: calls.append("fit"))
+    monkeypatch.setattr(cpu_dispatch, "run_inline", lambda: calls.append("inline"))  # not this process's JAX
+    assert train_cli.main([f"run.dir={tmp_path}"]) == 0
+    assert calls == ["inline", "fit"]
+
+
 @pytest.mark.parametrize("command", [["jaxtrain.train", "train.steps=1", "run.dir={r}"],
                                      ["jaxtrain.export", "{r}", "{r}/out"]])  # (plan and explain run on CPU devices)
 def test_a_platform_jax_cannot_start_is_bad_input_named_by_its_variable(tmp_path, command):

@@ -165,7 +165,9 @@ def ordered(hooks: Sequence[Hook]) -> list[Hook]:
 class Lookahead:
     """The loop's batches with one fetched ahead: :meth:`fetch`, called once a step is dispatched,
     assembles the next batch while the devices run the step (with ``train.log_every=1`` the host
-    would otherwise assemble it while they sit idle). :meth:`get_state` is the position of the next
+    would otherwise assemble it while they sit idle). Where the step runs inline on the loop's thread
+    (a single-process CPU run, ``jaxtrain.runtime.cpu_dispatch``) the fetch follows the step instead:
+    ~0.5 ms a shakespeare-char batch, ~1% of its step. :meth:`get_state` is the position of the next
     batch the loop will take, the held one included, so a checkpoint resumes with it."""
 
     def __init__(self, inner: Iterator):

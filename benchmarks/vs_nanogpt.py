@@ -17,7 +17,8 @@ Both run ``--iters`` iterations as whole processes (imports, data, compile, trai
 saves, the end), alternately, ``--rounds`` times each. Reported: the median whole-process wall time,
 and the median steady time per iteration from each run's own log (nanoGPT's ``time`` of iterations
 that did not evaluate; jaxtrain's ``step_time_s``, which leaves evaluations and saves out), with
-the CPU model. Ratios are nanoGPT / jaxtrain (> 1: jaxtrain is faster).
+the CPU model. Ratios are nanoGPT / jaxtrain (> 1: jaxtrain is faster): the ratio of the two
+medians, and beside it ("paired") the median of each round's own ratio.
 
     python benchmarks/vs_nanogpt.py [--iters 300 2000] [--rounds 3] [--write-results]
     python benchmarks/vs_nanogpt.py --quick        # 20 iterations, 1 round: that it runs
@@ -98,6 +99,13 @@ def median_or_nan(values) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def paired_ratio(nano: list[float], ours: list[float]) -> float:
+    """The median of each round's own nanoGPT / jaxtrain ratio (NaN rounds left out). A round's two runs
+    ran back to back, so where the machine's speed drifts between rounds (here the same step took 33 to
+    66 ms within minutes) this is steadier than the ratio of the two medians."""
+    return median_or_nan(n / o for n, o in zip(nano, ours) if n == n and o == o and o > 0)
+
+
 def shown(x: float, fmt: str = ".1f", suffix: str = "") -> str:
     """``x`` formatted, or ``n/a`` for NaN (no steady iterations)."""
     return "n/a" if x != x else f"{x:{fmt}}{suffix}"
@@ -146,15 +154,18 @@ def main() -> None:
             (nano, ours), (nano_ms, our_ms) = [tuple(statistics.median(d[w]) for w in ("nanoGPT", "jaxtrain"))
                                                for d in (wall, steady)]
             steady_ratio = nano_ms / our_ms
+            paired_whole, paired_steady = (paired_ratio(d["nanoGPT"], d["jaxtrain"]) for d in (wall, steady))
             load = f"{load0:.1f}→{os.getloadavg()[0]:.1f}"
             print(f"{iters} iterations on {hardware()}: whole process nanoGPT {nano:.1f} s, jaxtrain {ours:.1f} s: "
                   f"jaxtrain is {nano / ours:.2f}x nanoGPT's speed; steady {shown(nano_ms)} vs {shown(our_ms)} ms: "
-                  f"{shown(steady_ratio, '.2f', 'x')} (median of {rounds}; load {load})", flush=True)
+                  f"{shown(steady_ratio, '.2f', 'x')} (median of {rounds}; load {load}); paired rounds: whole "
+                  f"{paired_whole:.2f}x, steady {shown(paired_steady, '.2f', 'x')}", flush=True)
             if a.write_results and not a.quick:
                 date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
                 append_result_row(HEADER, f"| {date} | {hardware()} | {commit()} | {iters} | {nano:.1f} | {ours:.1f} "
-                                          f"| {nano / ours:.2f}x | {shown(nano_ms)} | {shown(our_ms)} | "
-                                          f"{shown(steady_ratio, '.2f', 'x')} | {rounds} | {load} |", INTRO)
+                                          f"| {nano / ours:.2f}x (paired {paired_whole:.2f}x) | {shown(nano_ms)} | "
+                                          f"{shown(our_ms)} | {shown(steady_ratio, '.2f', 'x')} (paired "
+                                          f"{shown(paired_steady, '.2f', 'x')}) | {rounds} | {load} |", INTRO)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,9 @@ def test_vs_nanogpt_runs_the_real_nanogpt_and_jaxtrain():
     assert m.group(1) and nano > 0 and ours > 0 and nano_ms > 0 and our_ms > 0  # the CPU model is named
     assert ratio == pytest.approx(nano / ours, rel=0.03)  # times printed to 0.1 s
     assert steady == pytest.approx(nano_ms / our_ms, rel=0.03)
+    paired = re.search(r"paired rounds: whole ([0-9.]+)x, steady ([0-9.]+)x", out)  # one round: the same ratios
+    assert paired and (float(paired.group(1)), float(paired.group(2))) == (
+        pytest.approx(ratio, abs=0.011), pytest.approx(steady, abs=0.011)), out
 
 
 def test_moe_kernels_prints_each_case_against_the_dense_swiglu():

@@ -22,3 +22,10 @@ def test_steady_times_leave_out_warm_up_and_evaluations_and_are_nan_without_any(
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "step_time_s": 0.9}\n{"step": 1, "val_loss": 2.0}\n')
     assert math.isnan(v.jaxtrain_steady_ms(tmp_path)) and v.shown(float("nan")) == "n/a"
     assert v.shown(1.234, ".2f", "x") == "1.23x"
+
+
+def test_the_paired_ratio_is_the_median_of_the_rounds_own_ratios():
+    # a machine that slowed down in round 2: each round's pair still compares like with like
+    assert v.paired_ratio([40.0, 80.0, 42.0], [30.0, 50.0, 35.0]) == 40.0 / 30.0  # of 1.33, 1.6, 1.2
+    assert v.paired_ratio([40.0, float("nan")], [20.0, 30.0]) == 2.0
+    assert math.isnan(v.paired_ratio([float("nan")], [float("nan")]))

@@ -3,7 +3,7 @@
     python benchmarks/moe.py [--rounds 2] [--steps 20] [--write-results] [--quick]
 
 The MoE is ``configs/moe_shakespeare.yaml`` (8 experts of d_ff 192, top-2); the dense model is
-``configs/shakespeare_char.yaml`` (d_ff 384), both at global batch 16. Each case runs
+``configs/shakespeare_char.yaml`` with ``model.d_ff=384`` (2 x 192), both at global batch 16. Each case runs
 ``benchmarks/step.py`` in its own process (the simulated device count is fixed per process):
 
   1 device:  dense | MoE dropless | MoE capacity (factor 1.25)
@@ -29,10 +29,10 @@ from _bench import append_result_rows, commit, hardware
 
 HERE = Path(__file__).resolve().parent
 CASES = [  # (name, devices, config, overrides)
-    ("dense", 1, "shakespeare_char", []),
+    ("dense", 1, "shakespeare_char", ["model.d_ff=384"]),
     ("moe dropless", 1, "moe_shakespeare", []),
     ("moe capacity 1.25", 1, "moe_shakespeare", ["model.routing=capacity"]),
-    ("dense data=8", 8, "shakespeare_char", ["mesh.data=8", "sharding.rules=dp"]),
+    ("dense data=8", 8, "shakespeare_char", ["model.d_ff=384", "mesh.data=8", "sharding.rules=dp"]),
     ("moe dropless ep expert=8", 8, "moe_shakespeare", ["sharding.rules=ep", "mesh.expert=8"]),
     ("moe capacity 1.25 ep expert=8", 8, "moe_shakespeare", ["sharding.rules=ep", "mesh.expert=8",
                                                              "model.routing=capacity"]),
@@ -40,7 +40,8 @@ CASES = [  # (name, devices, config, overrides)
 HEADER = ("| date (UTC) | hardware | commit | case | devices | step ms (median) | tokens/s | MFU "
           "| vs dense, same devices |")
 INTRO = ("## MoE vs dense (benchmarks/moe.py)\n\nconfigs/moe_shakespeare.yaml (8 experts x d_ff 192, "
-         "top-2) against configs/shakespeare_char.yaml (d_ff 384): the same active parameters; global batch 16.")
+         "top-2) against configs/shakespeare_char.yaml with model.d_ff=384: the same active parameters; global "
+         "batch 16.")
 
 
 def run_case(devices: int, config: str, overrides: list[str], steps: int, quick: bool) -> dict:

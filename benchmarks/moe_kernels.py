@@ -4,8 +4,8 @@
 
 What bounds a dropless MoE step on CPU, one layer's experts at a time. The shapes are
 ``configs/moe_shakespeare.yaml`` at global batch 16: T = 1024 tokens of d_model 128, 8 experts of
-d_ff 192, top-2, so M = 2048 routed copies; its dense twin (``configs/shakespeare_char.yaml``)
-has d_ff 384: the same FLOPs per token. The routing is balanced (M/E copies per expert), so every
+d_ff 192, top-2, so M = 2048 routed copies; its dense twin (``configs/shakespeare_char.yaml`` with
+``model.d_ff=384``) has the same FLOPs per token. The routing is balanced (M/E copies per expert), so every
 expert formulation below does the same useful work; each is timed as one jitted forward and
 backward (the gradient of sum(y^2) with respect to the tokens and the three weights):
 

@@ -24,8 +24,17 @@ OPT_OUT = "JAXTRAIN_CPU_ASYNC_DISPATCH"  # "1": keep JAX's asynchronous dispatch
 def run_inline(env: os._Environ | dict = os.environ) -> bool:
     """Turns JAX's asynchronous CPU dispatch off unless ``JAXTRAIN_CPU_ASYNC_DISPATCH=1``. Call it
     before JAX starts its backend (the CPU client reads the option once, when it is created), and
-    only for a single-process run. Returns whether it did."""
-    if env.get(OPT_OUT, "0") == "1":
+    only for a single-process run. Returns whether it did.
+
+    Raises:
+      InputError: ``JAXTRAIN_CPU_ASYNC_DISPATCH`` is set to something other than ``0`` or ``1``.
+    """
+    value = env.get(OPT_OUT) or "0"  # set but empty: as unset
+    if value not in ("0", "1"):
+        from jaxtrain.errors import InputError
+        raise InputError(f"{OPT_OUT}={value!r}: expected 1 (JAX's asynchronous CPU dispatch) or 0 (inline, the "
+                         f"default for a single-process run)")
+    if value == "1":
         return False
     import jax
     jax.config.update("jax_cpu_enable_async_dispatch", False)

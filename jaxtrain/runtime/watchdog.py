@@ -36,6 +36,12 @@ HANG_FLOOR_S = 300.0  # the automatic limit of one step is never below this
 HANG_FACTOR = 20.0  # ... and is this many times the slowest step measured so far
 
 
+def seconds(x: float) -> str:
+    """``x`` seconds for a message: whole seconds from 10 s, two significant digits below (a limit of
+    0.001 s reads as such, not as 0 s)."""
+    return f"{x:.0f}" if x >= 10 else f"{x:.2g}"
+
+
 class Work:
     """One piece of device work the loop waits for (see :meth:`Watchdog.begin`)."""
 
@@ -61,7 +67,7 @@ class Work:
 
     def describe(self, now: float, since: float) -> str:
         at = f" at step {self.step}" if self.step >= 0 else ""
-        return f"{self.what}{at} ({now - since:.0f} s so far)"
+        return f"{self.what}{at} ({seconds(now - since)} s so far)"
 
 
 class Watchdog:
@@ -164,8 +170,8 @@ class Watchdog:
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         auto = "" if self.limit_s is not None else ", automatic: set train.hang_timeout_s to choose it"
         at = f" at step {work.step}" if work.step >= 0 else ""
-        self.on_hang(f"train.hang_timeout_s: {work.what}{at} made no progress for {waited:.0f} s "
-                     f"(limit {limit:.0f} s{auto}); the process is alive but stuck (a collective whose peers "
+        self.on_hang(f"train.hang_timeout_s: {work.what}{at} made no progress for {seconds(waited)} s "
+                     f"(limit {seconds(limit)} s{auto}); the process is alive but stuck (a collective whose peers "
                      f"never arrive, or a deadlocked runtime). {where}. Committed checkpoints are intact; "
                      f"rerun to resume")
 

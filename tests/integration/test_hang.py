@@ -66,12 +66,12 @@ def test_a_hung_step_ends_with_the_named_error_and_every_threads_stack(tmp_path,
     assert child.proc.returncode == 5, out
     assert time.monotonic() - t0 < 30, out  # 3 s of limit, polled every 0.2 s
     stacks = tmp_path / "run" / "hang_stacks.process0.txt"
-    message = re.search(r"^error: train\.hang_timeout_s: the train step at step (\d) made no progress for (\d+) s "
+    message = re.search(r"^error: train\.hang_timeout_s: the train step at step (\d) made no progress for ([\d.]+) s "
                         r"\(limit 3 s\); the process is alive but stuck .*Every thread's Python stack is in "
                         + re.escape(str(stacks)) + r"\. Committed checkpoints are intact; rerun to resume$",
                         out, re.M)
     assert message, out
-    assert message.group(1) == "3" and int(message.group(2)) >= 3
+    assert message.group(1) == "3" and float(message.group(2)) >= 3
     text = stacks.read_text()
     if thread == "MainThread":  # the callback's frames sit on top of the trainer's in one stack
         assert re.search(r'File ".*hang\.py", line \d+ in host\n(.*\n)*.* in run\n', text), text
@@ -89,7 +89,7 @@ def test_sigterm_into_a_hung_step_exits_75_within_the_grace_period(tmp_path, cor
     assert child.proc.returncode == 75, out
     assert time.monotonic() - t0 < 20, out
     assert re.search(r"^error: checkpoint\.grace_period_s=2 s passed after SIGTERM before the checkpoint "
-                     r"committed; it was waiting for the train step at step 3 \(\d+ s so far\); exiting "
+                     r"committed; it was waiting for the train step at step 3 \([\d.]+ s so far\); exiting "
                      r"\(the latest committed checkpoint is intact\)$", out, re.M), out
 
 

@@ -218,8 +218,8 @@ class TrainLoop:
     paused: dict = field(default_factory=lambda: {"evaluation": 0.0, "checkpoint": 0.0})
     last_eval: dict = field(default_factory=dict)  # {'step', 'val_loss', ...} of the latest evaluation
     record: Optional[StepRecord] = None  # the latest step's, after every hook ran
-    # fn(loop, step), called while an evaluation runs on the devices (e.g. Checkpointing starts the
-    # last step's save then, so Orbax writes while the devices evaluate).
+    # fn(loop, step), called as an evaluation starts, just before its program is dispatched (e.g.
+    # Checkpointing starts the last step's save then, so Orbax writes while the devices evaluate).
     while_evaluating: list[Callable[["TrainLoop", int], None]] = field(default_factory=list)
 
     @property
@@ -257,10 +257,12 @@ class TrainLoop:
             self.precompiled.wait("evaluation")
         t0 = time.perf_counter()
         work = self.begin("the evaluation", step, scale=max(1.0, self.n_val / self.cfg.train.grad_accum))
-        outs = self.setup.fns.evaluate(self.state["params"], self.val)  # one program
-        work.until(outs["loss"])
+        # Before the dispatch: a one-device CPU program runs inline (jaxtrain.runtime.cpu_dispatch), so
+        # a save started after it would begin only once the evaluation ended.
         for fn in self.while_evaluating:
             fn(self, step)
+        outs = self.setup.fns.evaluate(self.state["params"], self.val)  # one program
+        work.until(outs["loss"])
         outs = {k: np.asarray(v, np.float64) for k, v in jax.device_get(outs).items()}
         w = outs.pop("weight")
         keys = ["loss", *sorted(k for k in outs if k != "loss")]

@@ -211,19 +211,29 @@ def test_policy_in_a_run_keeps_last_and_best(small_cfg):
 
 def test_the_last_save_starts_while_the_last_evaluation_runs_and_records_its_metrics(small_cfg, monkeypatch):
     from jaxtrain.train import Hook
-    save, seen, loops = ckptlib.Checkpointer.save, [], []
+    save, seen, loops, events = ckptlib.Checkpointer.save, [], [], []
 
     class Keep(Hook):
         def on_start(self, loop):
             loops.append(loop)
+            evaluate = loop.setup.fns.evaluate
+
+            def dispatch(*a, **k):
+                events.append("evaluation dispatched")
+                return evaluate(*a, **k)
+            loop.setup.fns.evaluate = dispatch
 
     def spy(self, step, *a, **k):  # was this step's evaluation already read when its save began?
         seen.append((step, loops[0].last_eval.get("step") == step))
+        events.append(f"save {step}")
         return save(self, step, *a, **k)
     monkeypatch.setattr(ckptlib.Checkpointer, "save", spy)
     cfg = small_cfg("train.steps=4", "train.eval_every=2", "checkpoint.every=2", "mesh.data=1")
     result = fit(cfg, devices=jax.devices()[:1], quiet=True, hooks=[Keep()])
     assert seen == [(2, True), (4, False)]  # step 2 after its evaluation; the last one during it
+    # ... started before the evaluation's program: a one-device CPU program runs inline in the CLI, so a
+    # save started after the dispatch would wait for the whole evaluation
+    assert events == ["evaluation dispatched", "save 2", "save 4", "evaluation dispatched"]
     committed = ckptlib.Checkpointer(cfg, result.run_dir).committed()
     evals = {r["step"]: r["val_loss"] for r in result.rows if "val_loss" in r}
     assert sorted(committed) == [2, 4] and all(committed[s]["metrics"] == {"val_loss": evals[s]} for s in (2, 4))

@@ -86,6 +86,7 @@ def main(argv=None) -> int:
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
     xla_flags.apply_gpu_defaults()  # as python -m jaxtrain.train does (JAXTRAIN_XLA_GPU_FLAGS=0: none)
+    xla_flags.apply_cpu_defaults()  # likewise (JAXTRAIN_XLA_CPU_FLAGS=0: none)
     variants = [v.strip() for v in a.variants.split(",") if v.strip()]
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:

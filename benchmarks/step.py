@@ -141,6 +141,7 @@ def main(argv=None) -> int:
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     xla_flags.apply_gpu_defaults()  # as python -m jaxtrain.train does (JAXTRAIN_XLA_GPU_FLAGS=0: none)
+    xla_flags.apply_cpu_defaults()  # likewise (JAXTRAIN_XLA_CPU_FLAGS=0: none)
 
     if args.abstract:
         info = abstract_compile(args.config, args.overrides)

@@ -49,6 +49,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
         xla_flags.apply_gpu_defaults()  # before JAX starts its backend; nothing on a machine without CUDA
+        xla_flags.apply_cpu_defaults()  # XLA:CPU's own dot kernels, not YNNPACK's (see xla_flags)
 
         def body() -> None:
             enable_compilation_cache()

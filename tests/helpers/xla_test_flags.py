@@ -6,8 +6,13 @@ way (13 s -> 8 s for four train-step and init programs of the small model; the s
 test_train, test_sharding_matrix and the 100-batch evaluations 181 s -> 148 s, AMD EPYC). The HLO is
 the same; float results differ from the optimised build's in the last bits, so every process that a
 test compares with another gets the same flags. Speed is measured in benchmarks/, never here.
+
+The CPU defaults that ``python -m jaxtrain.train`` adds (``jaxtrain.runtime.xla_flags.CPU_FLAGS``)
+are here too, for the same reason: a trainer a test starts and the test's own process compile alike.
 """
-FLAGS = "--xla_backend_optimization_level=0"
+from jaxtrain.runtime.xla_flags import CPU_FLAGS
+
+FLAGS = " ".join(["--xla_backend_optimization_level=0", *(f"--{k}={v}" for k, v in CPU_FLAGS.items())])
 
 
 def with_devices(n: int) -> str:

@@ -1,15 +1,16 @@
-"""jaxtrain's default XLA GPU flags: every name is one the installed jaxlib parses (XLA aborts the process
+"""jaxtrain's default XLA GPU and CPU flags: every name is one the installed jaxlib parses (XLA aborts the process
 on an unknown flag, and its CPU build parses the GPU flags too), a flag the user set keeps the user's
-value, and nothing is added without a CUDA plugin or with the opt-out."""
+value, the GPU ones only where a CUDA backend will start, and none with the opt-out. The CPU default
+does what it is for: a dot compiles to no YNNPACK fusion."""
 import subprocess
 import sys
 
 from jaxtrain.runtime import xla_flags
 
 
-def run_with(flags: str) -> subprocess.CompletedProcess:
+def run_with(flags: str, code: str = "import jax.numpy as jnp; print(float(jnp.arange(4.0).sum()))"
+             ) -> subprocess.CompletedProcess:
     env = {"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
-    code = "import jax.numpy as jnp; print(float(jnp.arange(4.0).sum()))"
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
 
 
@@ -44,3 +45,26 @@ def test_added_only_where_a_cuda_backend_will_start(monkeypatch):
     present.clear()  # no CUDA plugin installed: a CPU-only machine gets nothing
     env = {}
     assert xla_flags.apply_gpu_defaults(env) is False and env == {}
+
+
+def test_the_cpu_defaults_parse_and_are_added_on_any_machine_unless_opted_out():
+    ok = run_with(xla_flags.with_defaults("", xla_flags.CPU_FLAGS))
+    assert ok.returncode == 0 and ok.stdout.strip() == "6.0", ok.stderr[-2000:]
+    env = {}
+    assert xla_flags.apply_cpu_defaults(env) is True
+    assert env["XLA_FLAGS"] == "--xla_cpu_experimental_ynn_fusion_type="
+    env = {"XLA_FLAGS": "--xla_cpu_experimental_ynn_fusion_type=individual_dot"}  # the user's value stays
+    assert xla_flags.apply_cpu_defaults(env) is True
+    assert env["XLA_FLAGS"] == "--xla_cpu_experimental_ynn_fusion_type=individual_dot"
+    env = {"JAXTRAIN_XLA_CPU_FLAGS": "0"}
+    assert xla_flags.apply_cpu_defaults(env) is False and env == {"JAXTRAIN_XLA_CPU_FLAGS": "0"}
+
+
+def test_with_the_cpu_defaults_a_dot_compiles_to_no_ynnpack_fusion():
+    code = ("import jax, jax.numpy as jnp\n"
+            "f = jax.jit(lambda a, b: jnp.tanh(a @ b))\n"
+            "print('ynn_fusion' in f.lower(jnp.ones((256, 128)), jnp.ones((128, 64))).compile().as_text())")
+    default = run_with("", code)  # this jaxlib's own default sends the dot to YNNPACK: the check can fail
+    assert default.returncode == 0 and default.stdout.strip() == "True", default.stderr[-2000:]
+    ours = run_with(xla_flags.with_defaults("", xla_flags.CPU_FLAGS), code)
+    assert ours.returncode == 0 and ours.stdout.strip() == "False", ours.stderr[-2000:]

@@ -7,6 +7,7 @@ batches, against the run without offload: the losses agree within 1e-6 relative 
 transfers lower to nothing there, see jaxtrain/parallel/offload.py).
 """
 import functools
+import re
 
 import jax
 import numpy as np
@@ -111,8 +112,10 @@ def test_plan_picks_an_offloading_layout_that_trains():
     assert win is not None and win.layout.optimizer, win
     assert win.compiled_peak <= BUDGET and win.est_peak <= BUDGET and win.host > 0
     reasons = {str(c.layout): c.reason for c in cand.layouts}
-    for remat in ("none", "save_matmuls", "full"):  # no layout without offload fits
-        assert reasons[f"remat={remat} offload=-"].startswith("estimated device peak "), reasons
+    for remat in ("none", "save_matmuls", "full"):  # no layout without offload fits (remat=full: its
+        # estimate is close to the budget, and below it with some XLA:CPU kernels; then its compile says so)
+        assert re.fullmatch(r"(estimated|compiled) device peak [\d.]+ MiB > 3\.0 MiB",
+                            reasons[f"remat={remat} offload=-"]), reasons
     assert all(r for lay, r in reasons.items() if lay != str(win.layout))  # each other one says why
     assert any("ms/step more than " + str(win.layout) in r for r in reasons.values())
     text = layouts.layouts_text([cand], BUDGET)

@@ -48,10 +48,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     gc.disable()
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
-        xla_flags.apply_gpu_defaults()  # before JAX starts its backend; nothing on a machine without CUDA
-        xla_flags.apply_cpu_defaults()  # XLA:CPU's own dot kernels, not YNNPACK's (see xla_flags)
 
         def body() -> None:
+            # Before JAX starts its backend (XLA reads XLA_FLAGS then); a bad opt-out value is exit 2.
+            xla_flags.apply_gpu_defaults()  # nothing on a machine without CUDA
+            xla_flags.apply_cpu_defaults()  # XLA:CPU's own dot kernels, not YNNPACK's (see xla_flags)
             enable_compilation_cache()
             peak_cache.enable()  # the CPU matmul peak MFU divides by, measured once a day per host
             log_to_console()

@@ -71,10 +71,28 @@ def with_gpu_flags(xla_flags: str) -> str:
     return with_defaults(xla_flags, GPU_FLAGS)
 
 
+def _wanted(env: os._Environ | dict, name: str) -> bool:
+    """Whether the opt-out variable ``name`` leaves the defaults on: ``1`` or unset (or empty), ``0`` off.
+
+    Raises:
+      InputError: any other value (e.g. ``false``, which would otherwise read as on).
+    """
+    value = env.get(name) or "1"
+    if value not in ("0", "1"):
+        from jaxtrain.errors import InputError
+        raise InputError(f"{name}={value!r}: expected 1 (add jaxtrain's default XLA flags, the default) or 0 "
+                         f"(add none)")
+    return value == "1"
+
+
 def apply_gpu_defaults(env: os._Environ | dict = os.environ) -> bool:
     """Adds :data:`GPU_FLAGS` to ``env['XLA_FLAGS']`` when a GPU is expected and the user did not opt out
-    (``JAXTRAIN_XLA_GPU_FLAGS=0``). Call before anything starts JAX's backend. Returns whether it did."""
-    if env.get(OPT_OUT, "1") == "0" or not gpu_expected(env):
+    (``JAXTRAIN_XLA_GPU_FLAGS=0``). Call before anything starts JAX's backend. Returns whether it did.
+
+    Raises:
+      InputError: ``JAXTRAIN_XLA_GPU_FLAGS`` is neither ``0`` nor ``1``.
+    """
+    if not _wanted(env, OPT_OUT) or not gpu_expected(env):
         return False
     env["XLA_FLAGS"] = with_gpu_flags(env.get("XLA_FLAGS", ""))
     return True
@@ -82,8 +100,12 @@ def apply_gpu_defaults(env: os._Environ | dict = os.environ) -> bool:
 
 def apply_cpu_defaults(env: os._Environ | dict = os.environ) -> bool:
     """Adds :data:`CPU_FLAGS` to ``env['XLA_FLAGS']`` unless the user opted out (``JAXTRAIN_XLA_CPU_FLAGS=0``);
-    a flag already set keeps its value. Call before anything starts JAX's backend. Returns whether it did."""
-    if env.get(CPU_OPT_OUT, "1") == "0":
+    a flag already set keeps its value. Call before anything starts JAX's backend. Returns whether it did.
+
+    Raises:
+      InputError: ``JAXTRAIN_XLA_CPU_FLAGS`` is neither ``0`` nor ``1``.
+    """
+    if not _wanted(env, CPU_OPT_OUT):
         return False
     env["XLA_FLAGS"] = with_defaults(env.get("XLA_FLAGS", ""), CPU_FLAGS)
     return True

@@ -127,3 +127,14 @@ def test_a_second_sigint_stops_with_130_and_a_line_not_a_traceback(capsys):
     assert cli(body) == 130
     assert capsys.readouterr().err == ("interrupted (a second SIGINT): stopped at once; committed checkpoints are "
                                        "intact\n")
+
+
+def test_a_bad_xla_flags_opt_out_is_exit_2_before_anything_runs(monkeypatch, tmp_path, capsys):
+    import jaxtrain.train as train_pkg
+    calls = []
+    monkeypatch.setattr(train_pkg, "fit", lambda cfg: calls.append("fit"))
+    monkeypatch.setenv("JAXTRAIN_XLA_CPU_FLAGS", "false")
+    assert train_cli.main([f"run.dir={tmp_path}"]) == 2 and calls == []
+    assert capsys.readouterr().err.strip().endswith(
+        "error: JAXTRAIN_XLA_CPU_FLAGS='false': expected 1 (add jaxtrain's default XLA flags, the default) or 0 "
+        "(add none)")

@@ -5,6 +5,9 @@ does what it is for: a dot compiles to no YNNPACK fusion."""
 import subprocess
 import sys
 
+import pytest
+
+from jaxtrain.errors import InputError
 from jaxtrain.runtime import xla_flags
 
 
@@ -68,3 +71,17 @@ def test_with_the_cpu_defaults_a_dot_compiles_to_no_ynnpack_fusion():
     assert default.returncode == 0 and default.stdout.strip() == "True", default.stderr[-2000:]
     ours = run_with(xla_flags.with_defaults("", xla_flags.CPU_FLAGS), code)
     assert ours.returncode == 0 and ours.stdout.strip() == "False", ours.stderr[-2000:]
+
+
+@pytest.mark.parametrize("name, apply", [("JAXTRAIN_XLA_CPU_FLAGS", xla_flags.apply_cpu_defaults),
+                                         ("JAXTRAIN_XLA_GPU_FLAGS", xla_flags.apply_gpu_defaults)])
+def test_an_opt_out_other_than_0_or_1_is_bad_input_and_empty_is_unset(name, apply):
+    for value in ("false", "no", "2"):
+        env = {name: value}
+        with pytest.raises(InputError) as err:
+            apply(env)
+        assert str(err.value) == (f"{name}={value!r}: expected 1 (add jaxtrain's default XLA flags, the default) "
+                                  f"or 0 (add none)")
+        assert env == {name: value}  # nothing added
+    assert xla_flags.apply_cpu_defaults({"JAXTRAIN_XLA_CPU_FLAGS": ""}) is True
+    assert xla_flags.apply_cpu_defaults({"JAXTRAIN_XLA_CPU_FLAGS": "1"}) is True

@@ -1,4 +1,5 @@
-"""XLA's GPU performance flags, on by default when this process will run on an NVIDIA GPU.
+"""XLA flags added before JAX starts: GPU performance flags where this process will run on an NVIDIA
+GPU, and one CPU flag everywhere (below).
 
 XLA keeps collectives and compute in program order unless told otherwise; the flags below let it
 overlap them, the same set MaxText's GPU recipes and NVIDIA's JAX-Toolbox performance guide set

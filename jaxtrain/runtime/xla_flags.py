@@ -60,9 +60,19 @@ def gpu_expected(env: os._Environ | dict = os.environ) -> bool:
     return any(importlib.util.find_spec(p) is not None for p in CUDA_PLUGINS)
 
 
+def is_flag_file(xla_flags: str) -> bool:
+    """Whether XLA reads this ``XLA_FLAGS`` value as the path of a file of flags (it does not start with ``--``)."""
+    return bool(xla_flags.strip()) and not xla_flags.strip().startswith("--")
+
+
 def with_defaults(xla_flags: str, defaults: dict[str, str]) -> str:
-    """``xla_flags`` (an ``XLA_FLAGS`` value) plus every ``defaults`` entry it does not set already."""
-    given = set(re.findall(r"--(\w+)", xla_flags))
+    """``xla_flags`` (an ``XLA_FLAGS`` value) plus every ``defaults`` entry it does not set already.
+
+    A value that does not start with ``--`` is the path of a file of flags to XLA: it is returned as
+    it is (an appended flag would become part of the file's name)."""
+    if is_flag_file(xla_flags):
+        return xla_flags
+    given = set(re.findall(r"(?:^|\s)--(\w+)", xla_flags))  # flag names, not text inside a value
     added = [f"--{name}={value}" for name, value in defaults.items() if name not in given]
     return " ".join([xla_flags.strip(), *added]).strip()
 
@@ -88,25 +98,34 @@ def _wanted(env: os._Environ | dict, name: str) -> bool:
 
 def apply_gpu_defaults(env: os._Environ | dict = os.environ) -> bool:
     """Adds :data:`GPU_FLAGS` to ``env['XLA_FLAGS']`` when a GPU is expected and the user did not opt out
-    (``JAXTRAIN_XLA_GPU_FLAGS=0``). Call before anything starts JAX's backend. Returns whether it did.
+    (``JAXTRAIN_XLA_GPU_FLAGS=0``), unless ``XLA_FLAGS`` names a flag file. Call before anything starts
+    JAX's backend. Returns whether it did.
 
     Raises:
       InputError: ``JAXTRAIN_XLA_GPU_FLAGS`` is neither ``0`` nor ``1``.
     """
     if not _wanted(env, OPT_OUT) or not gpu_expected(env):
         return False
-    env["XLA_FLAGS"] = with_gpu_flags(env.get("XLA_FLAGS", ""))
-    return True
+    return _update(env, GPU_FLAGS)
 
 
 def apply_cpu_defaults(env: os._Environ | dict = os.environ) -> bool:
-    """Adds :data:`CPU_FLAGS` to ``env['XLA_FLAGS']`` unless the user opted out (``JAXTRAIN_XLA_CPU_FLAGS=0``);
-    a flag already set keeps its value. Call before anything starts JAX's backend. Returns whether it did.
+    """Adds :data:`CPU_FLAGS` to ``env['XLA_FLAGS']`` unless the user opted out (``JAXTRAIN_XLA_CPU_FLAGS=0``)
+    or ``XLA_FLAGS`` names a flag file; a flag already set keeps its value. Call before anything starts
+    JAX's backend. Returns whether it did.
 
     Raises:
       InputError: ``JAXTRAIN_XLA_CPU_FLAGS`` is neither ``0`` nor ``1``.
     """
     if not _wanted(env, CPU_OPT_OUT):
         return False
-    env["XLA_FLAGS"] = with_defaults(env.get("XLA_FLAGS", ""), CPU_FLAGS)
+    return _update(env, CPU_FLAGS)
+
+
+def _update(env: os._Environ | dict, defaults: dict[str, str]) -> bool:
+    """``env['XLA_FLAGS']`` with ``defaults`` added (:func:`with_defaults`); whether it could be."""
+    given = env.get("XLA_FLAGS", "")
+    if is_flag_file(given):
+        return False  # left to XLA as it is
+    env["XLA_FLAGS"] = with_defaults(given, defaults)
     return True

@@ -85,3 +85,16 @@ def test_an_opt_out_other_than_0_or_1_is_bad_input_and_empty_is_unset(name, appl
         assert env == {name: value}  # nothing added
     assert xla_flags.apply_cpu_defaults({"JAXTRAIN_XLA_CPU_FLAGS": ""}) is True
     assert xla_flags.apply_cpu_defaults({"JAXTRAIN_XLA_CPU_FLAGS": "1"}) is True
+
+
+def test_a_flag_file_is_left_to_xla_and_only_flag_names_count_as_set(tmp_path):
+    flag_file = tmp_path / "flags"
+    flag_file.write_text("--xla_force_host_platform_device_count=2\n")
+    env = {"XLA_FLAGS": str(flag_file)}  # not starting with --: XLA reads the file
+    assert xla_flags.apply_cpu_defaults(env) is False and env == {"XLA_FLAGS": str(flag_file)}
+    code = "import jax; print(jax.device_count())"
+    done = run_with(str(flag_file), code)
+    assert done.returncode == 0 and done.stdout.strip() == "2", done.stderr[-2000:]
+    inside_a_value = "--xla_dump_to=/tmp/--xla_cpu_experimental_ynn_fusion_type"
+    assert xla_flags.with_defaults(inside_a_value, xla_flags.CPU_FLAGS) == (
+        inside_a_value + " --xla_cpu_experimental_ynn_fusion_type=")

@@ -248,8 +248,10 @@ class Checkpointing(Hook):
         ckpt = self.ckpt
         last = step == loop.cfg.train.steps and step > loop.start  # trained here (not a resumed final step)
         if last and ckpt.options.async_save and ckpt.due(step, final=True):
+            t0 = time.perf_counter()
             jax.block_until_ready(loop.state)
             ckpt.save(step, loop.state, loop.batches.get_state())
+            loop.paused["checkpoint"] = loop.paused.get("checkpoint", 0.0) + time.perf_counter() - t0
 
     def after_step(self, loop: TrainLoop, rec: StepRecord) -> Optional[int]:
         ckpt = self.ckpt

@@ -219,7 +219,8 @@ class TrainLoop:
     last_eval: dict = field(default_factory=dict)  # {'step', 'val_loss', ...} of the latest evaluation
     record: Optional[StepRecord] = None  # the latest step's, after every hook ran
     # fn(loop, step), called as an evaluation starts, just before its program is dispatched (e.g.
-    # Checkpointing starts the last step's save then, so Orbax writes while the devices evaluate).
+    # Checkpointing starts the last step's save then, so Orbax writes while the devices evaluate); the
+    # time it takes is its own to add to ``paused``, not the evaluation's.
     while_evaluating: list[Callable[["TrainLoop", int], None]] = field(default_factory=list)
 
     @property
@@ -255,12 +256,13 @@ class TrainLoop:
         jax.block_until_ready(self.state)  # the steps in flight are training time, not evaluation
         if self.precompiled is not None:
             self.precompiled.wait("evaluation")
-        t0 = time.perf_counter()
-        work = self.begin("the evaluation", step, scale=max(1.0, self.n_val / self.cfg.train.grad_accum))
         # Before the dispatch: a one-device CPU program runs inline (jaxtrain.runtime.cpu_dispatch), so
-        # a save started after it would begin only once the evaluation ended.
+        # a save started after it would begin only once the evaluation ended. Not evaluation time: each
+        # callback counts its own (the last step's save: 'checkpoint').
         for fn in self.while_evaluating:
             fn(self, step)
+        t0 = time.perf_counter()
+        work = self.begin("the evaluation", step, scale=max(1.0, self.n_val / self.cfg.train.grad_accum))
         outs = self.setup.fns.evaluate(self.state["params"], self.val)  # one program
         work.until(outs["loss"])
         outs = {k: np.asarray(v, np.float64) for k, v in jax.device_get(outs).items()}
@@ -348,10 +350,10 @@ class TrainLoop:
                    or (hook.at == "last" and rec.last) or (hook.at == "final" and rec.final))
             if not due:
                 continue
-            t0, evaluating = time.perf_counter(), self.paused["evaluation"]
+            t0, counted = time.perf_counter(), sum(self.paused.values())
             value = hook.after_step(self, rec)
             if hook.pauses:
-                inside = self.paused["evaluation"] - evaluating  # already counted as evaluation
+                inside = sum(self.paused.values()) - counted  # already counted (an evaluation, a save it began)
                 self.paused[hook.pauses] = self.paused.get(hook.pauses, 0.0) + time.perf_counter() - t0 - inside
             if hook.produces:
                 rec = dataclasses.replace(rec, **{hook.produces: value})

@@ -1,6 +1,7 @@
 """Checkpoints: resharding restore, dtypes, named mismatch errors, commit markers, failed saves, policy."""
 import json
 import shutil
+import time
 
 import jax
 import jax.numpy as jnp
@@ -209,6 +210,9 @@ def test_policy_in_a_run_keeps_last_and_best(small_cfg):
     assert all(0 <= r["save_blocking_s"] <= r["save_total_s"] for r in saved)
 
 
+SLOW_SAVE_S = 3.0  # far above the SMALL model's 2-batch evaluation
+
+
 def test_the_last_save_starts_while_the_last_evaluation_runs_and_records_its_metrics(small_cfg, monkeypatch):
     from jaxtrain.train import Hook
     save, seen, loops, events = ckptlib.Checkpointer.save, [], [], []
@@ -226,6 +230,8 @@ def test_the_last_save_starts_while_the_last_evaluation_runs_and_records_its_met
     def spy(self, step, *a, **k):  # was this step's evaluation already read when its save began?
         seen.append((step, loops[0].last_eval.get("step") == step))
         events.append(f"save {step}")
+        if step == 4:
+            time.sleep(SLOW_SAVE_S)  # a slow blocking part: the save's time, not the evaluation's
         return save(self, step, *a, **k)
     monkeypatch.setattr(ckptlib.Checkpointer, "save", spy)
     cfg = small_cfg("train.steps=4", "train.eval_every=2", "checkpoint.every=2", "mesh.data=1")
@@ -234,6 +240,8 @@ def test_the_last_save_starts_while_the_last_evaluation_runs_and_records_its_met
     # ... started before the evaluation's program: a one-device CPU program runs inline in the CLI, so a
     # save started after the dispatch would wait for the whole evaluation
     assert events == ["evaluation dispatched", "save 2", "save 4", "evaluation dispatched"]
+    last = next(r for r in result.rows if r["step"] == 4 and "val_loss" in r)
+    assert last["eval_time_s"] < SLOW_SAVE_S and loops[0].paused["checkpoint"] >= SLOW_SAVE_S
     committed = ckptlib.Checkpointer(cfg, result.run_dir).committed()
     evals = {r["step"]: r["val_loss"] for r in result.rows if "val_loss" in r}
     assert sorted(committed) == [2, 4] and all(committed[s]["metrics"] == {"val_loss": evals[s]} for s in (2, 4))

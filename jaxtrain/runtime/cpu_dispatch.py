@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import os
 
+from jaxtrain.runtime.env import switch
+
 OPT_OUT = "JAXTRAIN_CPU_ASYNC_DISPATCH"  # "1": keep JAX's asynchronous dispatch
 
 
@@ -29,12 +31,7 @@ def run_inline(env: os._Environ | dict = os.environ) -> bool:
     Raises:
       InputError: ``JAXTRAIN_CPU_ASYNC_DISPATCH`` is set to something other than ``0`` or ``1``.
     """
-    value = env.get(OPT_OUT) or "0"  # set but empty: as unset
-    if value not in ("0", "1"):
-        from jaxtrain.errors import InputError
-        raise InputError(f"{OPT_OUT}={value!r}: expected 1 (JAX's asynchronous CPU dispatch) or 0 (inline, the "
-                         f"default for a single-process run)")
-    if value == "1":
+    if switch(OPT_OUT, False, "JAX's asynchronous CPU dispatch", "inline, the default for a single-process run", env):
         return False
     import jax
     jax.config.update("jax_cpu_enable_async_dispatch", False)

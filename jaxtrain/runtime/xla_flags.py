@@ -35,6 +35,8 @@ import importlib.util
 import os
 import re
 
+from jaxtrain.runtime.env import switch
+
 GPU_FLAGS = {
     "xla_gpu_enable_latency_hiding_scheduler": "true",
     "xla_gpu_enable_pipelined_all_gather": "true",
@@ -88,12 +90,7 @@ def _wanted(env: os._Environ | dict, name: str) -> bool:
     Raises:
       InputError: any other value (e.g. ``false``, which would otherwise read as on).
     """
-    value = env.get(name) or "1"
-    if value not in ("0", "1"):
-        from jaxtrain.errors import InputError
-        raise InputError(f"{name}={value!r}: expected 1 (add jaxtrain's default XLA flags, the default) or 0 "
-                         f"(add none)")
-    return value == "1"
+    return switch(name, True, "add jaxtrain's default XLA flags, the default", "add none", env)
 
 
 def apply_gpu_defaults(env: os._Environ | dict = os.environ) -> bool:

@@ -1,4 +1,4 @@
-"""Shared test set-up: 8 simulated CPU devices, the persistent compile cache, small configs, a GCS emulator.
+"""Shared test set-up: 8 simulated CPU devices (no persistent compile cache over them), small configs, a GCS emulator.
 
 The tests come in two tiers: ``tests/unit`` (no subprocess, no server, no second process) and
 ``tests/integration`` (real servers, SLURM, multi-process jobs, notebooks, parity with transformers);
@@ -24,6 +24,8 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 if xla_test_flags.FLAGS not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " " + xla_test_flags.FLAGS
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Trainer processes the tests start keep their exported programs here, not in the user's ~/.cache.
+os.environ.setdefault("JAXTRAIN_PROGRAM_CACHE_DIR", str(REPO / ".program_cache"))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -32,6 +34,21 @@ SERVER_FIXTURES = {"s3_server", "gcs", "gcs_server", "mlflow_server", "registry"
 jax.config.update("jax_compilation_cache_dir",
                   os.environ.get("JAX_COMPILATION_CACHE_DIR", str(REPO / ".jax_cache")))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+# Programs over several devices are compiled every time, never read from that cache: XLA:CPU runs the
+# collectives of a program loaded from it unordered, which can deadlock
+# (jaxtrain.cli.common.enable_compilation_cache; the command line leaves the cache off for such runs).
+from jax._src import compiler as _compiler  # noqa: E402
+
+_resolve = _compiler._resolve_compilation_strategy
+
+
+def _single_device_only(computation, devices, compile_options, *args, **kwargs):
+    if devices.size > 1:
+        return None, compile_options  # no cache key: compiled, neither read nor written
+    return _resolve(computation, devices, compile_options, *args, **kwargs)
+
+
+_compiler._resolve_compilation_strategy = _single_device_only
 
 from jaxtrain import config as cfglib  # noqa: E402
 

@@ -173,7 +173,7 @@ def _explain(args: argparse.Namespace) -> int:
     sizes = [getattr(cfg.mesh, a) for a in MESH_AXES]
     n = args.devices or (math.prod(sizes) if -1 not in sizes else 8)
     use_cpu_devices(n)
-    enable_compilation_cache()
+    enable_compilation_cache()  # on over CPU devices too: nothing compiled here runs
     import jax
     devices = jax.devices("cpu")
     if len(devices) < n:

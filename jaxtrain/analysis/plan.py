@@ -299,7 +299,7 @@ def _plan(args: argparse.Namespace) -> int:
             raise ConfigError("--rules: no rule set named (e.g. --rules dp,fsdp)")
     cfg = load(args.config, args.overrides)
     use_cpu_devices(args.devices)
-    enable_compilation_cache()
+    enable_compilation_cache()  # on over CPU devices too: a plan compiles and never runs what it compiled
     t0 = time.perf_counter()
     links = None
     if args.nodes is not None:

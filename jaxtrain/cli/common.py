@@ -7,7 +7,7 @@ import os
 import re
 import sys
 import traceback
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from jaxtrain.errors import JaxtrainError
 
@@ -131,14 +131,30 @@ def start_backend() -> None:
                          else f"JAX could not start a backend: {reason}") from None
 
 
-def enable_compilation_cache() -> None:
+def enable_compilation_cache(devices: Optional[Sequence[Any]] = None) -> bool:
     """JAX's persistent compilation cache (``JAX_COMPILATION_CACHE_DIR`` or ~/.cache/jaxtrain/xla), for
     every program: JAX's default keeps only those that took a second to compile, and a run's small
-    ones (the initialisation, the evaluation, the sample) cost a second of start-up together."""
+    ones (the initialisation, the evaluation, the sample) cost a second of start-up together.
+
+    Off (JAX's cache disabled, whatever the environment says) when ``devices``, those the programs
+    will run on, are several CPU devices: XLA:CPU gives the collectives of a program it compiles one
+    shared communicator resource, which keeps them in program order on every device, but gives each
+    collective a resource of its own when it loads the program from the cache
+    (``CreateResourceFromProto`` in XLA's thunk serialization). Two independent collectives of a
+    loaded program can then start in different orders on different devices and wait for each other
+    until XLA's rendezvous aborts the process (40 s, exit 134). Measured on jax 0.10.2: the pipelined
+    Mixtral of ``tests/integration/test_pipeline.py`` (stage 2 x expert 4 on 8 CPU devices) aborted
+    on each of 3 runs from a warm cache, and passed from a cold one. Returns whether the cache is on.
+    """
     import jax
+    if devices is not None and len(devices) > 1 and devices[0].platform == "cpu":
+        jax.config.update("jax_enable_compilation_cache", False)
+        jax.config.update("jax_compilation_cache_dir", None)  # also where JAX_COMPILATION_CACHE_DIR set one
+        return False
     if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser("~/.cache/jaxtrain/xla"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    return True
 
 
 def log_to_console() -> None:

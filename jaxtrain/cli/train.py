@@ -53,10 +53,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             # Before JAX starts its backend (XLA reads XLA_FLAGS then); a bad opt-out value is exit 2.
             xla_flags.apply_gpu_defaults()  # nothing on a machine without CUDA
             xla_flags.apply_cpu_defaults()  # XLA:CPU's own dot kernels, not YNNPACK's (see xla_flags)
-            enable_compilation_cache()
             peak_cache.enable()  # the CPU matmul peak MFU divides by, measured once a day per host
             log_to_console()
             from jaxtrain.config import load
+            from jaxtrain.train import program_cache
+            program_cache.enable()  # exported init and train step: a warm start traces neither
             from jaxtrain.runtime import heartbeat, join
             from jaxtrain.train import fit
             signals.check_startup()
@@ -66,12 +67,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if join.start(cfg.distributed) is None:  # before anything touches a device
                 cpu_dispatch.run_inline()  # one process: its one-device CPU programs run inline
             start_backend()
+            import jax
+            enable_compilation_cache(jax.devices())  # not over several CPU devices: see its docstring
             signals.check_startup()
             fit(cfg)
             heartbeat.end_run()
         return cli(body)
     finally:
         peak_cache.disable()
+        if "jaxtrain.train.program_cache" in sys.modules:  # a main() called in-process: as it found it
+            sys.modules["jaxtrain.train.program_cache"].disable()
         if collecting:
             gc.enable()
 

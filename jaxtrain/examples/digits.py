@@ -102,9 +102,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                      description="Train an MLP classifier on scikit-learn's bundled digits.")
     add_config_args(parser, default="configs/digits_mlp.yaml")
     args = config_args(parser, sys.argv[1:] if argv is None else argv)
-    enable_compilation_cache()
 
     def body() -> None:
+        import jax
+        enable_compilation_cache(jax.devices())
         from jaxtrain.config import load
         from jaxtrain.train import fit
         cfg = load(args.config or "digits_mlp", args.overrides)

@@ -65,7 +65,8 @@ class CompileReport(Hook):
     every = 0
 
     def on_compile(self, loop: TrainLoop, compiled: Any, seconds: float) -> None:
-        loop.out.info(f"compiled train step in {seconds:.1f} s")
+        cached = " (its traced program read from the program cache)" if getattr(compiled, "loaded", False) else ""
+        loop.out.info(f"compiled train step in {seconds:.1f} s{cached}")
         loop.out.info(memory.state_report(loop.state, loop.setup.fns.state_shardings, compiled).summary())
         if loop.setup.rules.fallbacks:  # after tracing, so activation fallbacks are listed too
             loop.out.warn_table("sharding.allow_fallback replicated these dimensions", loop.setup.rules.fallbacks)

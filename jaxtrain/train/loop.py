@@ -254,8 +254,7 @@ class TrainLoop:
         if record and self.last_eval.get("step") == step:
             return {k: v for k, v in self.last_eval.items() if k != "step"}
         jax.block_until_ready(self.state)  # the steps in flight are training time, not evaluation
-        if self.precompiled is not None:
-            self.precompiled.wait("evaluation")
+        evaluate = self.precompiled and self.precompiled.evaluation(self.state["params"], self.val)
         # Before the dispatch: a one-device CPU program runs inline (jaxtrain.runtime.cpu_dispatch), so
         # a save started after it would begin only once the evaluation ended. Not evaluation time: each
         # callback counts its own (the last step's save: 'checkpoint').
@@ -263,7 +262,7 @@ class TrainLoop:
             fn(self, step)
         t0 = time.perf_counter()
         work = self.begin("the evaluation", step, scale=max(1.0, self.n_val / self.cfg.train.grad_accum))
-        outs = self.setup.fns.evaluate(self.state["params"], self.val)  # one program
+        outs = (evaluate or self.setup.fns.evaluate)(self.state["params"], self.val)  # one program
         work.until(outs["loss"])
         outs = {k: np.asarray(v, np.float64) for k, v in jax.device_get(outs).items()}
         w = outs.pop("weight")

@@ -7,8 +7,10 @@ loading, like the init program and a restore's reads, leaves the interpreter fre
 thread. The train step compiled here is used only when the built state and the first batch have
 exactly the shapes, dtypes and shardings it was compiled for, and when compiling it ahead worked;
 otherwise the loop compiles it from the real arrays as before (and a bad config raises its named
-error there, on the main thread). The evaluation and the sample are compiled only to fill the
-caches their first calls read.
+error there, on the main thread). Where the program cache applies
+(:mod:`jaxtrain.train.program_cache`), the train step and the evaluation are loaded from their
+exported forms instead of traced, and the loop calls the evaluation compiled here; otherwise the
+evaluation, like the sample, is compiled only to fill the caches its first call reads.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from typing import Any, Optional
 
 import jax
 
+from jaxtrain.train import program_cache
 from jaxtrain.train import sample as generation
 from jaxtrain.train.assembly import Setup
 
@@ -56,6 +59,8 @@ class Precompile:
         self._cancelled = threading.Event()
         self._step: Any = None
         self._inputs: Optional[tuple] = None  # the signature of (state, batch) compiled for
+        self._evaluate: Any = None  # the evaluation, when the program cache made it
+        self._eval_inputs: Optional[tuple] = None  # the signature of (params, batches) it was made for
         self.seconds = 0.0  # tracing, lowering and compiling the train step
         threading.Thread(target=self._run, args=(s, val, sample), name=THREAD_NAME).start()
 
@@ -72,7 +77,7 @@ class Precompile:
             t0 = time.perf_counter()
             state, batch = s.abstract_state(), s.abstract_batch()
             self._inputs = signature((state, batch))
-            self._step = s.fns.train_step.lower(state, batch).compile()
+            self._step = program_cache.train_step(s, state, batch) or s.fns.train_step.lower(state, batch).compile()
             self.seconds = time.perf_counter() - t0
         except Exception as err:  # noqa: BLE001 - the loop compiles the step itself and raises it there
             self._step = None
@@ -83,11 +88,18 @@ class Precompile:
         if state is not None and val and not self._cancelled.is_set():
             sharding = s.fns.batch_sharding
             shaped = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in val.items()}
-            self._warm("evaluation", lambda: s.fns.evaluate.lower(state["params"], shaped).compile())
+            self._warm("evaluation", lambda: self._compile_evaluation(s, state["params"], shaped))
         self._ready["evaluation"].set()
         if state is not None and sample is not None and not self._cancelled.is_set():
             self._warm("sample", lambda: generation.compile_ahead(s.fns.apply, state["params"], *sample))
         self._ready["sample"].set()
+
+    def _compile_evaluation(self, s: Setup, params: Any, batches: dict) -> None:
+        self._evaluate = program_cache.evaluate(s, params, batches)
+        if self._evaluate is None:  # only the compile cache: the first call reads it
+            s.fns.evaluate.lower(params, batches).compile()
+        else:
+            self._eval_inputs = signature((params, batches))
 
     @staticmethod
     def _warm(name: str, compile_fn) -> None:
@@ -103,6 +115,14 @@ class Precompile:
         if self._step is None:
             return None
         return self._step if signature((state, batch)) == self._inputs else None
+
+    def evaluation(self, params: Any, batches: dict) -> Any:
+        """The evaluation program the program cache made (``jaxtrain.train.program_cache``), once ready;
+        None when it did not, or when ``params`` or ``batches`` differ from what it was made for."""
+        self._ready["evaluation"].wait()
+        if self._evaluate is None:
+            return None
+        return self._evaluate if signature((params, batches)) == self._eval_inputs else None
 
     def cancel(self) -> None:
         """The run ended (or failed): compiles not yet started are skipped; one in flight finishes."""

@@ -42,6 +42,7 @@ class StepFunctions:
     """The jitted functions and shardings of one (config, mesh, rules, model)."""
 
     state_shardings: Any
+    state_structure: Any  # the train state's PyTreeDef (its leaves: the init program's outputs, in order)
     batch_sharding: NamedSharding  # of every [grad_accum, micro_batch, ...] field of a batch dict
     param_axes: Any  # the params' pytree of logical-name tuples
     init: Callable  # () -> state
@@ -184,6 +185,8 @@ def build(cfg: Config, mesh: Mesh, rules: Rules, model_spec: ModelSpec) -> StepF
                                    transform_non_params=lambda _: replicated)
     stored_sh = offload.with_kind(param_sh, offload.host_mask(off, stored, model_dtypes))  # param_sh: device
     state_sh = {"params": stored_sh, "opt_state": opt_sh, "step": replicated, "rng": replicated}
+    state_structure = jax.tree_util.tree_structure({"params": abstract_stored, "opt_state": abstract_opt,
+                                                    "step": 0, "rng": 0})
     offloading = lambda: offload.active(off, model_dtypes.get("layers") if off.streamed else None)  # noqa: E731
 
     def init_fn():
@@ -298,7 +301,7 @@ def build(cfg: Config, mesh: Mesh, rules: Rules, model_spec: ModelSpec) -> StepF
         return loss, aux, jax.lax.with_sharding_constraint(grads, param_sh)
 
     return StepFunctions(
-        state_shardings=state_sh, batch_sharding=batch_sh, param_axes=axes,
+        state_shardings=state_sh, state_structure=state_structure, batch_sharding=batch_sh, param_axes=axes,
         init=jax.jit(init_fn, out_shardings=state_sh),
         train_step=TrainStep(jax.jit(step_fn, in_shardings=(state_sh, batch_sh, replicated),
                                      out_shardings=(state_sh, replicated), donate_argnums=(0,)),

@@ -24,7 +24,7 @@ from jaxtrain.parallel import host_data
 from jaxtrain.parallel.mesh import describe, nodes_along
 from jaxtrain.runtime import heartbeat, host_memory, signals
 from jaxtrain.runtime.watchdog import Watchdog
-from jaxtrain.train import elastic, rundir
+from jaxtrain.train import elastic, program_cache, rundir
 from jaxtrain.train import hooks as H
 from jaxtrain.train.assembly import Setup, setup
 from jaxtrain.train.loop import Hook, RunResult, TrainLoop
@@ -181,7 +181,7 @@ def resume(s: Setup, ckpt: Optional[Checkpointer], batches, run_dir: Path, out: 
         # (a pipelined model's layers are regrouped by stage) and the first step's could otherwise be in
         # flight together and starve each other of threads (an abort after 40 s; a warm compile
         # cache makes the step ready that soon).
-        return jax.block_until_ready(s.fns.init())
+        return jax.block_until_ready((program_cache.init(s) or s.fns.init)())
     shape_keys, notes = rundir.resume_changes(s.cfg, run_dir)
     for note in notes:
         out.info(f"[yellow]note:[/] {note}")

@@ -26,6 +26,7 @@ def environment(devices: int, extra: dict | None = None) -> dict:
     env["XLA_FLAGS"] = xla_test_flags.with_devices(devices)
     env["JAX_PLATFORMS"] = "cpu"
     env.setdefault("JAX_COMPILATION_CACHE_DIR", str(REPO / ".jax_cache"))
+    env["JAXTRAIN_PROGRAM_CACHE_DIR"] = os.environ.get("JAXTRAIN_PROGRAM_CACHE_DIR", str(REPO / ".program_cache"))
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra or {})
     return env

@@ -190,3 +190,24 @@ def test_a_hybrid_mesh_keeps_tensor_within_a_process_and_trains_like_one(tmp_pat
     two = mp.losses(tmp_path / "two")
     assert sorted(two) == [1, 2, 3]
     np.testing.assert_allclose([two[k] for k in (1, 2, 3)], [one.losses[k] for k in (1, 2, 3)], rtol=1e-5)
+
+
+def test_a_cli_run_over_cpu_devices_finishes_after_a_warm_start(tmp_path, corpus_path):
+    """The pipelined Mixtral over stage 2 x expert 4, run twice by the command line with one compile
+    cache folder. XLA:CPU orders the collectives of a program it compiles, not those of one it loads
+    from the persistent cache: the second run's step deadlocked until XLA aborted it (exit 134 after
+    40 s) before the command stopped using the cache over several CPU devices
+    (``jaxtrain.cli.common.enable_compilation_cache``)."""
+    import subprocess
+    import sys
+
+    from multiproc import environment
+    env = environment(8, {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla")})
+    args = [*SMALL, *MOE, f"data.path={corpus_path}", "sharding.rules=ep", "mesh.stage=2", "mesh.expert=4",
+            "mesh.data=1", "model.n_layers=4", "train.global_batch=16", "train.steps=2", "train.sample_tokens=0",
+            "checkpoint.enabled=false"]
+    for run in ("cold", "warm"):
+        done = subprocess.run([sys.executable, "-m", "jaxtrain.train", *args, f"run.dir={tmp_path / run}"],
+                              env=env, capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, f"{run} run: exit {done.returncode}\n{done.stderr[-3000:]}"
+    assert not (tmp_path / "xla").exists()  # nothing cached, so nothing loaded

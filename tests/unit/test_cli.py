@@ -138,3 +138,29 @@ def test_a_bad_xla_flags_opt_out_is_exit_2_before_anything_runs(monkeypatch, tmp
     assert capsys.readouterr().err.strip().endswith(
         "error: JAXTRAIN_XLA_CPU_FLAGS='false': expected 1 (add jaxtrain's default XLA flags, the default) or 0 "
         "(add none)")
+
+
+def test_no_persistent_compile_cache_over_several_cpu_devices(monkeypatch):
+    """XLA:CPU runs a cached program's collectives unordered (a deadlock: see enable_compilation_cache
+    and tests/integration/test_pipeline.py); one CPU device, or GPUs, keep the cache."""
+    from types import SimpleNamespace
+
+    import jax
+
+    from jaxtrain.cli.common import enable_compilation_cache
+    keys = ("jax_enable_compilation_cache", "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    saved = {k: jax.config.values[k] for k in keys}
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/somewhere")
+    cpu, gpu = SimpleNamespace(platform="cpu"), SimpleNamespace(platform="gpu")
+    try:
+        jax.config.update("jax_compilation_cache_dir", "/somewhere")  # as JAX reads the variable
+        assert enable_compilation_cache([cpu, cpu]) is False
+        assert jax.config.values["jax_enable_compilation_cache"] is False
+        assert jax.config.values["jax_compilation_cache_dir"] is None
+        jax.config.update("jax_enable_compilation_cache", True)
+        monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
+        assert enable_compilation_cache([cpu]) is True and enable_compilation_cache([gpu, gpu]) is True
+        assert jax.config.values["jax_compilation_cache_dir"].endswith("/.cache/jaxtrain/xla")
+    finally:
+        for k, v in saved.items():
+            jax.config.update(k, v)

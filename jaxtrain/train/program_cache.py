@@ -1,5 +1,5 @@
-"""The run's init and train-step programs kept across runs as exported StableHLO, so a warm start
-loads them instead of tracing the model again.
+"""The run's init, train-step and evaluation programs kept across runs as exported StableHLO, so a
+warm start loads them instead of tracing the model again.
 
 Tracing and lowering is Python work under one interpreter lock: on ``configs/shakespeare_char.yaml``
 (one device, 2-core AMD EPYC) ~0.65 s for the train step, where loading its exported form takes
@@ -12,10 +12,11 @@ JSON file with the output's tree structure. Entries live in ``JAXTRAIN_PROGRAM_C
 
 The key is a SHA-256 of everything a traced program depends on: the Python source of jaxtrain and
 its model families, the resolved config without the keys that only steer the loop (``run``,
-``checkpoint``, ``metrics``, ``profile``, and ``train`` except ``global_batch``, ``grad_accum`` and
-``seed``), the resolved model config, the rule tables, the devices, JAX's configuration, the
-``XLA_FLAGS`` and the versions of Python, JAX, jaxlib, Flax and Optax. An entry is used only when its
-argument shapes and dtypes equal the call's; one that cannot be read is traced again and replaced.
+``checkpoint``, ``metrics``, ``profile``, ``train`` except ``global_batch``, ``grad_accum`` and
+``seed``, ``data`` except ``seq_len`` and ``mode``), the resolved model config (its vocabulary),
+the rule tables, the devices, JAX's configuration, the ``XLA_FLAGS`` and the versions of Python,
+JAX, jaxlib, Flax and Optax. An entry is used only when its argument shapes and dtypes equal the
+call's; one that cannot be read is traced again and replaced.
 
 Used where tracing is a visible share of start-up and the exported program is the same as jit's:
 the command line (:func:`enable`), one process on one device, a registered model family, nothing
@@ -47,6 +48,7 @@ SWITCH = "JAXTRAIN_PROGRAM_CACHE"
 DIR_VAR = "JAXTRAIN_PROGRAM_CACHE_DIR"
 LOOP_ONLY = ("run", "checkpoint", "metrics", "profile")  # config sections no traced program reads
 TRAIN_KEYS = ("global_batch", "grad_accum", "seed")  # the train keys that shape a program
+DATA_KEYS = ("seq_len", "mode")  # the data keys that do (the vocabulary: in the resolved model config)
 
 _enabled = False
 
@@ -100,6 +102,7 @@ def key(s: Any) -> str:
     for section in LOOP_ONLY:
         cfg.pop(section, None)
     cfg["train"] = {k: cfg["train"][k] for k in TRAIN_KEYS}
+    cfg["data"] = {k: cfg["data"][k] for k in DATA_KEYS}
     model = s.model_config.model_dump(mode="json") if hasattr(s.model_config, "model_dump") else repr(s.model_config)
     devices = [(d.platform, d.device_kind, d.id) for d in s.devices]
     config = {k: repr(v) for k, v in sorted(jax.config.values.items()) if "cache" not in k and "log" not in k}

@@ -69,10 +69,12 @@ def _setup(small_cfg, *overrides, devices=1):
 
 def test_the_key_follows_what_shapes_a_program(small_cfg, cache, monkeypatch, tmp_path):
     base = program_cache.key(_setup(small_cfg))
-    same = ["train.steps=7", "train.eval_batches=3", "train.log_every=2", "checkpoint.every=5", "run.progress=false"]
+    same = ["train.steps=7", "train.eval_batches=3", "train.log_every=2", "checkpoint.every=5", "run.progress=false",
+            "data.seed=3", "data.val_fraction=0.2"]
     for override in same:  # the loop's keys: the same programs
         assert program_cache.key(_setup(small_cfg, override)) == base, override
-    other = ["model.n_layers=3", "train.seed=5", "train.global_batch=16", "optimizer.weight_decay=0.0"]
+    other = ["model.n_layers=3", "train.seed=5", "train.global_batch=16", "optimizer.weight_decay=0.0",
+             "data.seq_len=16", "data.mode=packed"]
     for override in other:
         assert program_cache.key(_setup(small_cfg, override)) != base, override
     source = tmp_path / "module.py"  # an edited source file: another key

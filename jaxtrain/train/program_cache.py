@@ -186,13 +186,15 @@ def compiled(s: Any, name: str, fn: Callable, args: tuple, out_shardings: Callab
     if getattr(s, "_program_key", None) is None:
         s._program_key = key(s)  # once per run: hashing the sources takes a few milliseconds
     entry = root() / s._program_key
+    if (entry / f"{name}.unexportable").exists():  # found before: tracing it twice per run would be all it did
+        return None
     exp, out = _load(entry, name, leaves, refs)
     loaded = exp is not None
     if not loaded:
         try:
             exp, out = _export(fn, args, leaves, refs)
-        except Exception as err:  # noqa: BLE001 - not exportable: jit compiles it as before
-            log.debug("exporting %s failed: %s", name, err)
+        except Exception as err:  # noqa: BLE001 - e.g. a custom call jax.export refuses: jit compiles it
+            _unexportable(entry, name, err)
             return None
         _store(entry, name, exp, out, refs)
     shaped = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out),
@@ -205,8 +207,19 @@ def compiled(s: Any, name: str, fn: Callable, args: tuple, out_shardings: Callab
             lowered = call.lower(*leaves)
         return Program(lowered.compile(), jax.tree_util.tree_structure(out), loaded)
     except Exception as err:  # noqa: BLE001 - e.g. an entry XLA rejects: jit compiles it as before
-        log.debug("compiling the exported %s failed: %s", name, err)
+        _unexportable(entry, name, err)
         return None
+
+
+def _unexportable(entry: Path, name: str, err: Exception) -> None:
+    """Records that ``name`` cannot go through the cache under this key (the reason, for a reader), so
+    later runs trace it once, for jit, instead of twice."""
+    log.debug("the exported %s cannot be used: %s", name, err)
+    try:
+        entry.mkdir(parents=True, exist_ok=True)
+        (entry / f"{name}.unexportable").write_text(f"{type(err).__name__}: {err}\n")
+    except OSError:
+        pass
 
 
 def evaluate(s: Any, params: Any, batches: Any) -> Optional[Program]:

@@ -167,3 +167,18 @@ def test_linear_algebra_kernels_are_registered_only_for_a_program_that_calls_the
     with program_cache._without_lapack(False):
         jax.jit(solver.call).lower(x).compile()
     assert calls == [1]
+
+
+def test_a_program_that_cannot_be_exported_is_tried_once(small_cfg, cache, monkeypatch):
+    """e.g. a kernel's custom call jax.export refuses: jit compiles it, and later runs do not trace it
+    a second time only to fail again."""
+    s = _setup(small_cfg)
+    tries = []
+
+    def refuse(*args):
+        tries.append(1)
+        raise ValueError("Cannot serialize code with custom calls whose targets have no compatibility guarantees")
+    monkeypatch.setattr(program_cache, "_export", refuse)
+    assert _evaluation(s, 2) is None and _evaluation(s, 2) is None
+    assert tries == [1]
+    assert (cache / s._program_key / "evaluate.unexportable").read_text().startswith("ValueError: Cannot serialize")

@@ -260,7 +260,7 @@ def build(cfg: Config, mesh: Mesh, rules: Rules, model_spec: ModelSpec) -> StepF
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
             def update(params, opt_state):
-                updates, opt_state = optimizer(h, axes, count).update(grads, opt_state, params)
+                updates, opt_state = optimizer(h, axes, count, grad_norm).update(grads, opt_state, params)
                 return optax.apply_updates(params, updates), opt_state
 
             if off.state:  # host-resident state: fetched, updated and kept per leaf (jaxtrain.parallel.offload)

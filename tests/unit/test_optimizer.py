@@ -8,7 +8,7 @@ import pytest
 from conftest import put_windows
 
 from jaxtrain.train import setup
-from jaxtrain.train.optimizer import hyperparameters, learning_rate
+from jaxtrain.train.optimizer import _clip, hyperparameters, learning_rate
 
 
 def _batch(fns, seed=0):
@@ -81,3 +81,46 @@ def test_pure_bf16_is_opt_in_and_loses_small_updates(small_cfg):
     assert "lm_head" in fns.low_precision and state["params"]["lm_head"].dtype == jnp.bfloat16
     scale = after["layers"][0]["attn_norm"]["scale"]
     assert np.all(scale == init["layers"][0]["attn_norm"]["scale"])  # why master weights are the default
+
+
+
+def test_clipping_with_a_given_norm_is_optaxs():
+    """The step's clipping (the norm it already has, then one scalar factor) against
+    optax.clip_by_global_norm: equal to float32 rounding when it clips, bit for bit when not."""
+    tree = {"a": jax.random.normal(jax.random.key(0), (16, 8)) * 3.0, "b": jax.random.normal(jax.random.key(1), (5,))}
+    norm = optax.tree.norm(tree)
+    for max_norm, exact in ((0.5, False), (float(norm) * 2, True)):
+        got, _ = _clip(jnp.float32(max_norm), norm).update(tree, optax.EmptyState())
+        want, _ = optax.clip_by_global_norm(max_norm).update(tree, optax.EmptyState())
+        for k in tree:
+            if exact:
+                np.testing.assert_array_equal(got[k], want[k])
+            else:
+                np.testing.assert_allclose(got[k], want[k], rtol=1e-6)
+                assert float(optax.tree.norm(got)) == pytest.approx(max_norm, rel=1e-6)
+
+
+def test_the_step_updates_as_optax_clip_then_adamw(small_cfg):
+    """Three steps of the compiled train step against optax's clip_by_global_norm + adamw applied
+    to the same gradients (clipping on: with Adam, unclipped gradients of unequal norms give
+    other moments), to float32 rounding (XLA fuses the update, optax runs op by op)."""
+    cfg = small_cfg("mesh.data=1", "optimizer.lr=1e-2", "optimizer.warmup_steps=0", "optimizer.min_lr=1e-2",
+                    "optimizer.clip_norm=0.05", "optimizer.weight_decay=0.1")
+    fns = setup(cfg, jax.devices()[:1], vocab=256).fns
+    state = fns.init()
+    params = jax.device_get(state["params"])
+    decay = jax.tree_util.tree_map(lambda axes: len(axes) >= 2, fns.param_axes, is_leaf=lambda x: isinstance(x, tuple))
+    ref = optax.chain(optax.clip_by_global_norm(0.05),
+                      optax.adamw(1e-2, b1=cfg.optimizer.b1, b2=cfg.optimizer.b2, eps=cfg.optimizer.eps,
+                                  weight_decay=0.1, mask=decay))
+    ref_state = ref.init(params)
+    for i in range(3):
+        batch = _batch(fns, i)
+        _, _, grads = fns.grads(jax.device_put(params, fns.state_shardings["params"]), batch)
+        state, m = fns.train_step(state, batch)
+        assert float(m["grad_norm"]) > 0.05  # clipped
+        updates, ref_state = ref.update(jax.device_get(grads), ref_state, params)
+        params = optax.apply_updates(params, updates)
+        got = jax.device_get(state["params"])
+        for (path, want), have in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree_util.tree_leaves(got)):
+            np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-5, err_msg=f"step {i} {path}")

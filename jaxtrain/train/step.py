@@ -285,11 +285,20 @@ def build(cfg: Config, mesh: Mesh, rules: Rules, model_spec: ModelSpec) -> StepF
         aux.setdefault("weight", jnp.ones((), jnp.float32))
         return {"loss": loss, **aux}
 
+    side_by_side = mesh.size == 1 and schedule.stages == 1 and not (off.state or off.activations)
+
     def evaluate(params, batches):
         """Every validation batch in one program (a scan): one dispatch per evaluation, so a long
         validation set never floods the devices' queue (XLA:CPU deadlocks on ~100 unread multi-device
-        programs in flight); the per-batch values come back for the host's float64 weighted mean."""
-        return jax.lax.scan(lambda carry, b: (carry, eval_fn(params, b)), None, batches)[1]
+        programs in flight); the per-batch values come back for the host's float64 weighted mean.
+        On one device, small batches go through the scan in groups (see :func:`eval_group`)."""
+        n = jax.tree_util.tree_leaves(batches)[0].shape[0]
+        g = eval_group(n, cfg.micro_batch * cfg.data.seq_len) if side_by_side else 1
+        if g == 1:
+            return jax.lax.scan(lambda carry, b: (carry, eval_fn(params, b)), None, batches)[1]
+        grouped = jax.tree_util.tree_map(lambda x: x.reshape(n // g, g, *x.shape[1:]), batches)
+        out = jax.lax.scan(lambda carry, b: (carry, jax.vmap(eval_fn, (None, 0))(params, b)), None, grouped)[1]
+        return jax.tree_util.tree_map(lambda x: x.reshape(n, *x.shape[2:]), out)
 
     def apply(params, inputs):
         with offloading():
@@ -313,6 +322,21 @@ def build(cfg: Config, mesh: Mesh, rules: Rules, model_spec: ModelSpec) -> StepF
         apply=jax.jit(apply, in_shardings=(stored_sh, None), out_shardings=replicated),
         model_dtypes=model_dtypes, low_precision=low_precision,
     )
+
+
+EVAL_GROUP_TOKENS = 4096
+
+
+def eval_group(n_batches: int, batch_tokens: int) -> int:
+    """How many validation batches the evaluation runs side by side (a ``jax.vmap`` inside its scan):
+    the largest divisor of ``n_batches`` whose batches hold at most :data:`EVAL_GROUP_TOKENS` tokens
+    together, else 1. Each batch's values are its own, as one by one (the same ops per batch).
+
+    Why: XLA:CPU runs the matmuls of a small batch (the shakespeare config's 12 x 64 tokens) far
+    from its peak; 5 of them side by side took its 40-batch evaluation from ~0.52 to ~0.45 s
+    (9 alternated rounds, AMD EPYC). The bound keeps the group's activations small."""
+    most = min(n_batches, max(1, EVAL_GROUP_TOKENS // max(1, batch_tokens)))
+    return max(g for g in range(1, most + 1) if n_batches % g == 0)
 
 
 def _low(dtype) -> bool:

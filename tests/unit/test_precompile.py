@@ -182,3 +182,19 @@ def test_whatever_ends_the_thread_its_waiters_are_released(run, monkeypatch):
         w.join(timeout=60)
     assert [w.is_alive() for w in waiters] == [False, False]
     assert pre.train_step(s.fns.init(), next(s.data.iterator(s.fns.batch_sharding))) is not None
+
+
+@pytest.mark.parametrize("eval_batches, group", [(6, 6), (17, 1), (40, 10)])
+def test_the_evaluation_groups_small_batches_and_each_batch_keeps_its_values(small_cfg, eval_batches, group):
+    """On one device the evaluation runs small batches side by side (a vmap in its scan); every
+    batch's loss is the one its own forward pass gives, bit for bit."""
+    from jaxtrain.train.step import eval_group
+    s = setup(small_cfg(f"train.eval_batches={eval_batches}", "mesh.data=1"), jax.devices()[:1], load_data=True)
+    assert eval_group(eval_batches, s.cfg.micro_batch * s.cfg.data.seq_len) == group  # 8 x 32 tokens a batch
+    params = s.fns.init()["params"]
+    val = put_validation(s.data.val, s.fns.batch_sharding)
+    together = jax.device_get(s.fns.evaluate(params, val))
+    for i in range(eval_batches):
+        alone = jax.device_get(s.fns.eval_step(params, jax.tree_util.tree_map(lambda x: x[i], val)))
+        for k in alone:
+            assert together[k][i] == alone[k], (i, k)

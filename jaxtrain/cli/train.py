@@ -26,7 +26,7 @@ from jaxtrain.cli.common import (
     start_backend,
 )
 from jaxtrain.metrics import peak_cache
-from jaxtrain.runtime import cpu_dispatch, signals, xla_flags
+from jaxtrain.runtime import cpu_dispatch, imports, signals, xla_flags
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -55,11 +55,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             xla_flags.apply_cpu_defaults()  # XLA:CPU's own dot kernels, not YNNPACK's (see xla_flags)
             peak_cache.enable()  # the CPU matmul peak MFU divides by, measured once a day per host
             log_to_console()
-            from jaxtrain.config import load
-            from jaxtrain.train import program_cache
-            program_cache.enable()  # exported init and train step: a warm start traces neither
-            from jaxtrain.runtime import heartbeat, join
-            from jaxtrain.train import fit
+            with imports.lean():  # the JAX stack without two import-time scans a command needs not
+                from jaxtrain.config import load
+                from jaxtrain.runtime import heartbeat, join
+                from jaxtrain.train import fit, program_cache
+            program_cache.enable()  # exported init, train step and evaluation: a warm start traces none
             signals.check_startup()
             cfg = load(args.config, args.overrides)
             if not cfg.train.gc_every and collecting:

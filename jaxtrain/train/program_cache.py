@@ -207,8 +207,21 @@ def compiled(s: Any, name: str, fn: Callable, args: tuple, out_shardings: Callab
             lowered = call.lower(*leaves)
         return Program(lowered.compile(), jax.tree_util.tree_structure(out), loaded)
     except Exception as err:  # noqa: BLE001 - e.g. an entry XLA rejects: jit compiles it as before
-        _unexportable(entry, name, err)
+        if loaded:  # a stored entry (written by another jaxlib build, say): dropped, the next run exports anew
+            _drop(entry, name, err)
+        else:  # this run's own export fails to compile: it would again
+            _unexportable(entry, name, err)
         return None
+
+
+def _drop(entry: Path, name: str, err: Exception) -> None:
+    """Removes a stored program that loaded but did not compile, so that the next run exports it again."""
+    log.debug("the cached %s in %s does not compile: %s", name, entry, err)
+    for suffix in (".jaxexp", ".json"):
+        try:
+            (entry / f"{name}{suffix}").unlink()
+        except OSError:
+            pass
 
 
 def _unexportable(entry: Path, name: str, err: Exception) -> None:

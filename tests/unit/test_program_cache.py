@@ -182,3 +182,22 @@ def test_a_program_that_cannot_be_exported_is_tried_once(small_cfg, cache, monke
     assert _evaluation(s, 2) is None and _evaluation(s, 2) is None
     assert tries == [1]
     assert (cache / s._program_key / "evaluate.unexportable").read_text().startswith("ValueError: Cannot serialize")
+
+
+def test_a_stored_program_that_does_not_compile_is_exported_again_next_time(small_cfg, cache, monkeypatch):
+    """A stored entry that loads but fails to compile is dropped, not marked unexportable: the next run
+    exports it anew (a program this run exported itself and cannot compile is marked, as above)."""
+    s = _setup(small_cfg)
+    assert _evaluation(s, 2).loaded is False
+    real = program_cache._without_lapack
+
+    def failing(skip):
+        raise RuntimeError("INTERNAL: the stored program does not compile here")
+    monkeypatch.setattr(program_cache, "_without_lapack", failing)
+    assert _evaluation(s, 2) is None  # jit compiles it instead
+    entry = cache / s._program_key
+    assert not (entry / "evaluate.unexportable").exists() and not (entry / "evaluate.jaxexp").exists()
+    monkeypatch.setattr(program_cache, "_without_lapack", real)
+    exports = _exports(monkeypatch)
+    assert _evaluation(s, 2).loaded is False and len(exports) == 1  # exported anew
+    assert _evaluation(s, 2).loaded is True

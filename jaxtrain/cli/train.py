@@ -58,7 +58,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             with imports.lean():  # the JAX stack without two import-time scans a command needs not
                 from jaxtrain.config import load
                 from jaxtrain.runtime import heartbeat, join
-                from jaxtrain.train import fit, program_cache
+                from jaxtrain.train import prefetch, program_cache
             program_cache.enable()  # exported init, train step and evaluation: a warm start traces none
             signals.check_startup()
             cfg = load(args.config, args.overrides)
@@ -69,6 +69,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             start_backend()
             import jax
             enable_compilation_cache(jax.devices())  # not over several CPU devices: see its docstring
+            prefetch.start(cfg)  # a warm start's executables load beside the trainer's imports
+            with imports.lean():
+                from jaxtrain.train import fit
             signals.check_startup()
             fit(cfg)
             heartbeat.end_run()
@@ -77,6 +80,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         peak_cache.disable()
         if "jaxtrain.train.program_cache" in sys.modules:  # a main() called in-process: as it found it
             sys.modules["jaxtrain.train.program_cache"].disable()
+        if "jaxtrain.train.prefetch" in sys.modules:
+            sys.modules["jaxtrain.train.prefetch"].stop()
         if collecting:
             gc.enable()
 

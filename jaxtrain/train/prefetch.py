@@ -94,7 +94,8 @@ def _start(cfg: Any) -> bool:
             _state["original"] = compiler._cache_read
             compiler._cache_read = _cache_read
     if _state["futures"]:
-        threading.Thread(target=_load, args=(recorded, devices), name="jaxtrain-prefetch", daemon=True).start()
+        threading.Thread(target=_load, args=(recorded, dict(_state["futures"]), devices), name="jaxtrain-prefetch",
+                         daemon=True).start()
     return True
 
 
@@ -107,13 +108,14 @@ def stop() -> None:
         _state.update(path=None, recorded=[], entries=[], futures={}, original=None)
 
 
-def _load(entries: list, devices: list) -> None:
-    """On the prefetch thread: each recorded entry from JAX's cache, in the order it was first read."""
+def _load(entries: list, futures: dict, devices: list) -> None:
+    """On the prefetch thread: each recorded entry from JAX's cache, in the order it was first read,
+    except those a compile asked for before the thread began them (cancelled: it reads them itself)."""
     from jax._src import compilation_cache, xla_bridge
     from jax._src.lib import xla_client as xc
     backend = xla_bridge.get_backend()
     for e in entries:
-        future = _state["futures"].get(e.get("key"))
+        future = futures.get(e.get("key"))
         if future is None or not future.set_running_or_notify_cancel():
             continue
         try:
@@ -128,7 +130,7 @@ def _load(entries: list, devices: list) -> None:
 def _cache_read(module_name, cache_key, compile_options, backend, executable_devices, *args, **kwargs):
     """JAX's ``compiler._cache_read``, answered from the prefetch thread's load when it has this key."""
     future = _state["futures"].pop(cache_key, None)
-    if future is not None:
+    if future is not None and not future.cancel():  # being loaded, or loaded: wait for it (not yet begun: read here)
         try:
             found = future.result(timeout=WAIT_S)
         except Exception:  # noqa: BLE001 - the wait's bound passed: read it here as JAX would

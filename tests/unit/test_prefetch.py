@@ -47,12 +47,12 @@ class _Options:
 
 def test_a_miss_or_a_failed_load_falls_back_to_jaxs_own_read(tmp_path, monkeypatch):
     from concurrent.futures import Future
-    failed, loaded = Future(), Future()
+    failed, loaded, pending = Future(), Future(), Future()
     failed.set_result((None, None))  # e.g. the entry was evicted since it was recorded
     loaded.set_result(("prefetched executable", 7))
     reads = []
     monkeypatch.setitem(prefetch._state, "original", lambda name, key, *a: reads.append(key) or ("read", 1))
-    monkeypatch.setitem(prefetch._state, "futures", {"a": failed, "b": loaded})
+    monkeypatch.setitem(prefetch._state, "futures", {"a": failed, "b": loaded, "d": pending})
     monkeypatch.setitem(prefetch._state, "path", tmp_path / "launch.json")
     monkeypatch.setitem(prefetch._state, "recorded", [])
     monkeypatch.setitem(prefetch._state, "entries", [])
@@ -61,6 +61,8 @@ def test_a_miss_or_a_failed_load_falls_back_to_jaxs_own_read(tmp_path, monkeypat
     assert prefetch._cache_read("m", "b", _Options(), None, one) == ("prefetched executable", 7)
     assert prefetch._cache_read("m", "c", _Options(), None, one) == ("read", 1)  # never recorded
     assert prefetch._cache_read("m", "b", _Options(), None, one) == ("read", 1)  # a prefetched load serves once
-    assert reads == ["a", "c", "b"]
+    assert prefetch._cache_read("m", "d", _Options(), None, one) == ("read", 1)  # not begun: read here, not waited for
+    assert pending.cancelled()  # so the thread skips it
+    assert reads == ["a", "c", "b", "d"]
     saved = json.loads((tmp_path / "launch.json").read_text())["entries"]
-    assert [(e["key"], e["prefetched"]) for e in saved] == [("a", False), ("b", True), ("c", False)]
+    assert [(e["key"], e["prefetched"]) for e in saved] == [("a", False), ("b", True), ("c", False), ("d", False)]

@@ -82,14 +82,10 @@ def _start(cfg: Any) -> bool:
             or not compilation_cache.is_persistent_cache_enabled() or not hasattr(compiler, "_cache_read")):
         return False
     path = program_cache.root() / FOLDER / f"{launch_key(cfg, devices)}.json"
-    try:
-        recorded = json.loads(path.read_text())["entries"][:MAX_ENTRIES]
-    except (OSError, ValueError, KeyError, TypeError):
-        recorded = []
+    recorded = _readable(path)
     with _lock:
         # This run's reads replace the list as they come: the next run prefetches what this one read.
-        _state.update(path=path, recorded=[], entries=[],
-                      futures={e["key"]: Future() for e in recorded if isinstance(e, dict) and "key" in e})
+        _state.update(path=path, recorded=[], entries=[], futures={e["key"]: Future() for e in recorded})
         if _state["original"] is None:
             _state["original"] = compiler._cache_read
             compiler._cache_read = _cache_read
@@ -97,6 +93,20 @@ def _start(cfg: Any) -> bool:
         threading.Thread(target=_load, args=(recorded, dict(_state["futures"]), devices), name="jaxtrain-prefetch",
                          daemon=True).start()
     return True
+
+
+def _readable(path: Path) -> list:
+    """The recorded entries of ``path`` that can be loaded: each key once, with its options; nothing
+    from a file that is missing or not such a list (edited by hand, cut short)."""
+    try:
+        entries = json.loads(path.read_text())["entries"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    found: dict[str, dict] = {}
+    for e in entries if isinstance(entries, list) else []:
+        if isinstance(e, dict) and isinstance(e.get("key"), str) and isinstance(e.get("options"), str):
+            found.setdefault(e["key"], e)
+    return list(found.values())[:MAX_ENTRIES]
 
 
 def stop() -> None:
@@ -115,8 +125,8 @@ def _load(entries: list, futures: dict, devices: list) -> None:
     from jax._src.lib import xla_client as xc
     backend = xla_bridge.get_backend()
     for e in entries:
-        future = futures.get(e.get("key"))
-        if future is None or not future.set_running_or_notify_cancel():
+        future = futures.get(e["key"])
+        if future is None or future.done() or not future.set_running_or_notify_cancel():
             continue
         try:
             options = xc.CompileOptions.ParseFromString(base64.b64decode(e["options"]))

@@ -66,3 +66,16 @@ def test_a_miss_or_a_failed_load_falls_back_to_jaxs_own_read(tmp_path, monkeypat
     assert reads == ["a", "c", "b", "d"]
     saved = json.loads((tmp_path / "launch.json").read_text())["entries"]
     assert [(e["key"], e["prefetched"]) for e in saved] == [("a", False), ("b", True), ("c", False), ("d", False)]
+
+
+def test_only_loadable_entries_of_a_record_are_kept(tmp_path):
+    """A record edited by hand or cut short: what is not a keyed entry with options is left out, a
+    key listed twice is loaded once, and an unreadable file is no record at all."""
+    good = {"key": "k1", "options": "b3B0aW9ucw=="}
+    path = tmp_path / "launch.json"
+    path.write_text(json.dumps({"entries": [{"key": 5, "options": None}, "x", None, good, dict(good), {"key": "k2"}]}))
+    assert prefetch._readable(path) == [good]
+    for text in ("garbage{{{", "[1, 2]", '{"entries": 3}', ""):
+        path.write_text(text)
+        assert prefetch._readable(path) == []
+    assert prefetch._readable(tmp_path / "missing.json") == []

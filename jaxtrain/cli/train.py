@@ -61,7 +61,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 from jaxtrain.train import prefetch, program_cache
             program_cache.enable()  # exported init, train step and evaluation: a warm start traces none
             signals.check_startup()
-            cfg = load(args.config, args.overrides)
+            with imports.lean():  # the model family's module, and with it Flax, is imported here
+                cfg = load(args.config, args.overrides)
             if not cfg.train.gc_every and collecting:
                 gc.enable()
             if join.start(cfg.distributed) is None:  # before anything touches a device

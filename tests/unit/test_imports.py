@@ -1,6 +1,9 @@
 """jaxtrain.runtime.imports.lean(): the command line's JAX import without two scans it does not need."""
 import importlib.metadata
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -39,3 +42,18 @@ def test_ipython_cannot_be_imported_inside_unless_it_already_was(monkeypatch):
     with imports.lean():  # already imported (a main() called from a notebook): left as it is
         import IPython  # noqa: F401,F811
         assert sys.modules["IPython"] is not None
+
+
+def test_the_command_line_imports_flax_without_ipython(tmp_path):
+    """The config's model family brings in Flax; the command line loads the config under lean()."""
+    pytest.importorskip("IPython")
+    repo = Path(__file__).resolve().parents[2]
+    script = ("import sys, jaxtrain.train\n"
+              "jaxtrain.train.fit = lambda cfg: print('flax' in sys.modules, 'IPython' in sys.modules)\n"
+              "from jaxtrain.cli.train import main\n"
+              f"sys.exit(main(['--config', 'configs/shakespeare_char.yaml', 'run.dir={tmp_path / 'run'}']))\n")
+    env = {**os.environ, "JAXTRAIN_PROGRAM_CACHE": "0"}
+    done = subprocess.run([sys.executable, "-c", script], cwd=repo, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "False"]

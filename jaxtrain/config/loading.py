@@ -119,6 +119,15 @@ def _validation_error(err: ValidationError) -> ConfigError:
     return ConfigError(f"{key}: {msg} (got {got!r})")
 
 
+def yaml_error(where: str, err: yaml.YAMLError) -> str:
+    """One line for a YAML file that does not parse: ``<where>, line L, column C: invalid YAML: <problem>``
+    (the parser's position and problem; its whole message where it marked none)."""
+    mark, problem = getattr(err, "problem_mark", None), getattr(err, "problem", None)
+    if mark is None or not problem:
+        return f"{where}: invalid YAML: " + " ".join(str(err).split())
+    return f"{where}, line {mark.line + 1}, column {mark.column + 1}: invalid YAML: {problem}"
+
+
 def from_dict(tree: dict) -> Config:
     """Validates a plain nested dict. Raises ConfigError naming the key."""
     _check_keys(tree, Config)
@@ -144,7 +153,7 @@ def load(path: Optional[str] = None, overrides: list[str] | tuple[str, ...] = ()
         try:
             loaded = yaml.load(file.read_text(), Loader=UniqueKeyLoader)
         except yaml.YAMLError as err:
-            raise ConfigError(f"config file {file}: invalid YAML: {err}") from None
+            raise ConfigError(yaml_error(f"config file {file}", err)) from None
         except UnicodeDecodeError as err:
             raise ConfigError(f"config file {file}: not UTF-8 text (byte {err.start}: {err.reason})") from None
         if loaded is not None and not isinstance(loaded, dict):

@@ -39,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain.config import MESH_AXES, ShardingConfig, resolve_resource
-from jaxtrain.config.loading import UniqueKeyLoader, resource_roots
+from jaxtrain.config.loading import UniqueKeyLoader, resource_roots, yaml_error
 from jaxtrain.errors import ConfigError, ShardingError
 
 Candidate = Optional[tuple[str, ...]]  # None = replicate explicitly
@@ -78,9 +78,9 @@ class Rules:
             if (err.problem or "").startswith("duplicate key"):
                 raise ConfigError(f"sharding.rules: {path}: line {err.problem_mark.line + 1}: {err.problem} "
                                   f"(given twice; YAML alone would silently keep the last)") from None
-            raise ConfigError(f"sharding.rules: {path}: invalid YAML: {err}") from None
+            raise ConfigError(yaml_error(f"sharding.rules: {path}", err)) from None
         except yaml.YAMLError as err:
-            raise ConfigError(f"sharding.rules: {path}: invalid YAML: {err}") from None
+            raise ConfigError(yaml_error(f"sharding.rules: {path}", err)) from None
         if not isinstance(raw, dict) or not isinstance(raw.get("rules"), dict):
             raise ConfigError(f"sharding.rules: {path}: expected a mapping with a 'rules' mapping")
         unknown = set(raw) - {"rules", "optimizer_rules"}

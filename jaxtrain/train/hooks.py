@@ -224,7 +224,8 @@ class Evaluate(Hook):
             return
         last = loop.last_eval or loop.evaluate(loop.start, record=False)  # nothing trained: evaluate as is
         loop.result.val_loss = last["val_loss"]
-        loop.out.info(f"validation loss {loop.result.val_loss:.4f} (mean over {loop.n_val} batches)")
+        batches = f"{loop.n_val} batch" + ("es" if loop.n_val != 1 else "")
+        loop.out.info(f"validation loss {loop.result.val_loss:.4f} (mean over {batches})")
 
 
 class Checkpointing(Hook):

@@ -18,6 +18,7 @@ from typing import Any, Iterator
 import yaml
 
 from jaxtrain.config import Config
+from jaxtrain.config.loading import yaml_error
 from jaxtrain.errors import ConfigError
 
 PACKAGES = ("jaxtrain", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "tensorstore",
@@ -123,7 +124,7 @@ def resume_changes(cfg: Config, run_dir: Path) -> tuple[list[str], list[str]]:
     try:
         saved = _flat(yaml.safe_load(path.read_text()) or {})
     except yaml.YAMLError as err:
-        raise ConfigError(f"run.dir: {path} is not valid YAML: {err}") from None
+        raise ConfigError(yaml_error(f"run.dir: {path}", err)) from None
     except UnicodeDecodeError as err:
         raise ConfigError(f"run.dir: {path} is not UTF-8 text (byte {err.start}: {err.reason})") from None
     new = _flat(cfg.to_dict())

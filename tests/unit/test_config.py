@@ -152,8 +152,18 @@ def test_string_fields_keep_override_text():
 def test_duplicate_yaml_key_is_an_error(tmp_path):
     f = tmp_path / "dup.yaml"
     f.write_text("train:\n  steps: 5\n  steps: 6\n")
-    with pytest.raises(ConfigError, match=r"invalid YAML: .*duplicate key 'steps'"):
+    with pytest.raises(ConfigError) as err:
         cfglib.load(str(f))
+    assert str(err.value) == f"config file {f}, line 3, column 3: invalid YAML: duplicate key 'steps'"
+
+
+def test_a_yaml_syntax_error_is_one_line_with_its_position(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("model:\n  d_model: 128\n n_layers: [4\n")
+    with pytest.raises(ConfigError) as err:
+        cfglib.load(str(f))
+    assert str(err.value) == (f"config file {f}, line 3, column 2: invalid YAML: expected <block end>, "
+                              "but found '<block mapping start>'")
 
 
 def test_overrides_may_precede_config():

@@ -117,7 +117,7 @@ def test_no_sample_is_drawn_or_printed_when_train_sample_tokens_is_0(small_cfg, 
                     "mesh.data=1")
     result = fit(cfg, devices=jax.devices()[:1], quiet=True)
     out = capsys.readouterr().out
-    assert result.sample == "" and "validation loss " in out
+    assert result.sample == "" and f"validation loss {result.val_loss:.4f} (mean over 1 batch)\n" in out
     assert "sample:" not in out, out
 
 

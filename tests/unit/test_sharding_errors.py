@@ -69,6 +69,15 @@ def test_rules_file_with_a_logical_name_given_twice(tmp_path):
                             f"silently keep the last)")
 
 
+def test_rules_file_that_does_not_parse_names_the_line(tmp_path):
+    f = tmp_path / "open.yaml"
+    f.write_text("rules:\n  embed: [fsdp\n")
+    with pytest.raises(ConfigError) as e:
+        Rules.load(str(f))
+    assert str(e.value) == (f"sharding.rules: {f}, line 3, column 1: invalid YAML: expected ',' or ']', "
+                            f"but got '<stream end>'")
+
+
 def test_rules_file_unknown_section(tmp_path):
     f = tmp_path / "extra.yaml"
     f.write_text("rules:\n  batch: [data]\noptimiser_rules:\n  embed: [data]\n")

@@ -41,6 +41,9 @@ def check_consistency(cfg: "Config") -> None:
         raise ConfigError(f"checkpoint.keep_best: must be >= 0, got {c.keep_best}")
     if t.gc_every < 0:
         raise ConfigError(f"train.gc_every: must be >= 0 (0 = Python's automatic collection), got {t.gc_every}")
+    if t.compile_timeout_s is not None and not 0 < t.compile_timeout_s < math.inf:
+        raise ConfigError(f"train.compile_timeout_s: must be a positive number of seconds (null: no limit), "
+                          f"got {t.compile_timeout_s}")
     if t.hang_timeout_s is not None and not 0 < t.hang_timeout_s < math.inf:
         raise ConfigError(f"train.hang_timeout_s: must be a positive number of seconds (null: automatic), "
                           f"got {t.hang_timeout_s}")

@@ -11,9 +11,11 @@ heartbeat cannot see that case (jax-ml/jax#38503), because every process still a
 Then the watchdog writes every thread's Python stack (:mod:`faulthandler`) to
 ``<run dir>/hang_stacks.process<N>.txt`` (and stderr), prints a named error and ends the process
 with :data:`HANG_EXIT`; in a multi-process job it tells the others first, so they end the same way
-(``jaxtrain.runtime.heartbeat.leave``). The compile is never watched, and checkpoint saves keep
-their own bound (``checkpoint.save_timeout_s``): they are described (for the grace-period message
-of a SIGTERM) but not limited here.
+(``jaxtrain.runtime.heartbeat.leave``). A compile the loop waits for (the train step's, a
+precompiled evaluation's or sample's) has a limit of its own, ``train.compile_timeout_s``
+(null: none), named in its message. Checkpoint saves keep their own bound
+(``checkpoint.save_timeout_s``): they are described (for the grace-period message of a SIGTERM)
+but not limited here.
 
 With ``train.hang_timeout_s: null`` the limit of one step is ``max(HANG_FLOOR_S, HANG_FACTOR x``
 the slowest step measured so far), so no healthy step reaches it.
@@ -45,8 +47,9 @@ def seconds(x: float) -> str:
 class Work:
     """One piece of device work the loop waits for (see :meth:`Watchdog.begin`)."""
 
-    def __init__(self, what: str, step: int, scale: Optional[float]):
+    def __init__(self, what: str, step: int, scale: Optional[float], limit_s: Optional[float] = None):
         self.what, self.step, self.scale = what, step, scale
+        self.limit_s = limit_s  # a compile's own limit (train.compile_timeout_s), not scaled from a step's
         self.begun = time.monotonic()
         self.array: Any = None
         self.ended: Optional[float] = None
@@ -98,7 +101,14 @@ class Watchdog:
     def begin(self, what: str, step: int = -1, scale: Optional[float] = 1.0) -> Work:
         """Announces device work before it is dispatched. ``scale``: its limit in steps' limits
         (an evaluation: its batches); None: described but not limited (a save has its own bound)."""
-        work = Work(what, step, scale)
+        return self._queue(Work(what, step, scale))
+
+    def begin_compile(self, what: str, limit_s: Optional[float]) -> Work:
+        """Announces a compile the caller waits for (``what``: "the train step's compile"); it ends
+        with :meth:`Work.end`. ``limit_s``: ``train.compile_timeout_s`` (None: described, not limited)."""
+        return self._queue(Work(what, -1, None, limit_s))
+
+    def _queue(self, work: Work) -> Work:
         with self.lock:
             self.queue.append(work)
         return work
@@ -148,12 +158,12 @@ class Watchdog:
             with self.lock:
                 now = time.monotonic()
                 self._retire(now)
-                if not self.queue or self.queue[0].scale is None:
+                if not self.queue:
                     continue
                 work = self.queue[0]
+                limit = work.limit_s if work.limit_s is not None or work.scale is None else self.limit(work.scale)
                 since = max(work.begun, self.free_since)
-                limit = self.limit(work.scale)
-                if now - since < limit:
+                if limit is None or now - since < limit:
                     continue
             self._hung(work, now - since, limit)
             return
@@ -168,6 +178,12 @@ class Watchdog:
         except OSError as err:
             where = f"The stacks could not be written to {path} ({err}); they are on stderr"
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        if work.limit_s is not None:
+            self.on_hang(f"train.compile_timeout_s: {work.what} did not finish in {seconds(waited)} s (limit "
+                         f"{seconds(limit)} s): the compiler is stuck, or this program needs a longer limit "
+                         f"(raise train.compile_timeout_s; null: no limit). {where}. Committed checkpoints are "
+                         f"intact; rerun to resume")
+            return
         auto = "" if self.limit_s is not None else ", automatic: set train.hang_timeout_s to choose it"
         at = f" at step {work.step}" if work.step >= 0 else ""
         self.on_hang(f"train.hang_timeout_s: {work.what}{at} made no progress for {seconds(waited)} s "

@@ -1,5 +1,9 @@
 """The command lines share one error wrapper and are console scripts; metric sinks are chosen in config."""
+import re
+import subprocess
+import sys
 from importlib import metadata
+from pathlib import Path
 
 import jax
 import pytest
@@ -108,8 +112,6 @@ def test_a_single_process_run_dispatches_its_cpu_programs_inline(monkeypatch, tm
                                      ["jaxtrain.export", "{r}", "{r}/out"]])  # (plan and explain run on CPU devices)
 def test_a_platform_jax_cannot_start_is_bad_input_named_by_its_variable(tmp_path, command):
     import os
-    import subprocess
-    import sys
     env = {**os.environ, "JAX_PLATFORMS": "nonesuch"}
     args = [a.format(r=tmp_path / "r") for a in command]
     done = subprocess.run([sys.executable, "-m", *args], env=env, capture_output=True, text=True, timeout=300)
@@ -164,3 +166,28 @@ def test_no_persistent_compile_cache_over_several_cpu_devices(monkeypatch):
     finally:
         for k, v in saved.items():
             jax.config.update(k, v)
+
+
+STUCK_COMPILE = """
+import sys, time
+from jaxtrain.train import precompile
+precompile.Precompile.train_step = lambda self, state, batch: time.sleep(120)  # the wait for it never ends
+from jaxtrain.cli.train import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_stuck_train_step_compile_ends_the_run_by_name(tmp_path):
+    """``train.compile_timeout_s`` bounds the loop's wait for the train step's compile: exit 5 and the
+    stacks file, as for a stuck step."""
+    script = tmp_path / "stuck.py"
+    script.write_text(STUCK_COMPILE)
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, str(script), "--config", "configs/shakespeare_char.yaml",
+                           "train.steps=2", "train.compile_timeout_s=1", "checkpoint.enabled=false",
+                           f"run.dir={tmp_path / 'run'}", "run.progress=false"],
+                          cwd=repo, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 5, done.stderr[-2000:]
+    assert re.search(r"error: train\.compile_timeout_s: the train step's compile did not finish in [\d.]+ s "
+                     r"\(limit 1 s\)", done.stderr), done.stderr[-2000:]
+    assert (tmp_path / "run" / "hang_stacks.process0.txt").is_file()

@@ -181,3 +181,12 @@ def test_shipped_configs_validate_and_their_data_exists():
         cfg = cfglib.load(name)
         if cfg.data.path != "stdlib":
             assert (repo / cfg.data.path).is_file(), (name, cfg.data.path)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "inf"])
+def test_compile_timeout_is_a_positive_number_of_seconds_or_null(value):
+    with pytest.raises(ConfigError) as err:
+        cfglib.load(None, [f"train.compile_timeout_s={value}"])
+    assert str(err.value) == (f"train.compile_timeout_s: must be a positive number of seconds (null: no limit), "
+                              f"got {float(value)}")
+    assert cfglib.load(None, ["train.compile_timeout_s=null"]).train.compile_timeout_s is None

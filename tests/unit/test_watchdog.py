@@ -30,3 +30,34 @@ def test_a_sub_second_limit_is_named_as_set(tmp_path):
                      r"\(limit 0\.001 s\); the process is alive but stuck", messages[0])
     assert found and float(found.group(1)) >= 0.001, messages[0]
     assert (tmp_path / "hang_stacks.process0.txt").is_file()
+
+
+def test_a_compile_past_its_own_limit_is_named_by_its_key(tmp_path):
+    messages, hung = [], threading.Event()
+
+    def on_hang(message: str) -> None:
+        messages.append(message)
+        hung.set()
+
+    dog = Watchdog(None, tmp_path, on_hang=on_hang, poll_s=0.01)
+    dog.begin_compile("the evaluation's compile", None).end()  # finished: retired, never limited
+    dog.begin_compile("the train step's compile", 0.05)  # never ends
+    assert hung.wait(10)
+    dog.close()
+    found = re.match(r"train\.compile_timeout_s: the train step's compile did not finish in ([\d.]+) s "
+                     r"\(limit 0\.05 s\): the compiler is stuck, or this program needs a longer limit "
+                     r"\(raise train\.compile_timeout_s; null: no limit\)\. Every thread's Python stack is in ",
+                     messages[0])
+    assert found and float(found.group(1)) >= 0.05, messages[0]
+    assert (tmp_path / "hang_stacks.process0.txt").is_file()
+
+
+def test_a_compile_without_a_limit_is_only_described(tmp_path):
+    hung = threading.Event()
+    dog = Watchdog(None, tmp_path, on_hang=lambda message: hung.set(), poll_s=0.01)
+    work = dog.begin_compile("the train step's compile", None)
+    assert not hung.wait(0.3)
+    assert dog.waiting_for().startswith("the train step's compile (")
+    work.end()
+    assert dog.waiting_for() == ""
+    dog.close()

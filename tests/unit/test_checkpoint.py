@@ -48,6 +48,9 @@ def test_resharding_restore_is_bit_identical_and_training_continues(fsdp8_run):
     cfg, full = fsdp8_run
     ckpt = ckptlib.Checkpointer(cfg(), full.run_dir)
     assert list(ckpt.committed()) == [4, 6] and ckpt.saved_mesh(6)["fsdp"] == 8
+    # No Orbax _sharding file: the restores below land in the live shardings without it.
+    assert (full.run_dir / "checkpoints" / "6" / "state" / "manifest.ocdbt").is_file()
+    assert not (full.run_dir / "checkpoints" / "6" / "state" / "_sharding").exists()
     for mesh_args, n in ((("mesh.fsdp=2", "mesh.tensor=2"), 4), (("mesh.fsdp=1",), 1)):
         target = trainer_on(cfg(*mesh_args), jax.devices()[:n])
         state, data = ckpt.restore(6, abstract_of(target))

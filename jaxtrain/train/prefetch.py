@@ -58,7 +58,7 @@ def launch_key(cfg: Any, devices: list) -> str:
     for part in (conf, [(d.platform, d.device_kind, d.id) for d in devices], os.environ.get("XLA_FLAGS", ""),
                  [sys.version, jax.__version__, jaxlib.__version__]):
         h.update(json.dumps(part, sort_keys=True, default=repr).encode() + b"\0")
-    for name, path in program_cache._sources():
+    for name, path in program_cache.sources():
         h.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()
 
@@ -78,7 +78,7 @@ def start(cfg: Any) -> bool:
 def _start(cfg: Any) -> bool:
     from jax._src import compilation_cache, compiler
     devices = jax.devices()
-    if (not program_cache._enabled or len(devices) != 1 or jax.process_count() != 1
+    if (not program_cache.enabled() or len(devices) != 1 or jax.process_count() != 1
             or not compilation_cache.is_persistent_cache_enabled() or not hasattr(compiler, "_cache_read")):
         return False
     path = program_cache.root() / FOLDER / f"{launch_key(cfg, devices)}.json"

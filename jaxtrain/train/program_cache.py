@@ -66,6 +66,11 @@ def disable() -> None:
     _enabled = False
 
 
+def enabled() -> bool:
+    """Whether :func:`enable` turned the cache on in this process."""
+    return _enabled
+
+
 def root(env: os._Environ | dict = os.environ) -> Path:
     return Path(env.get(DIR_VAR) or "~/.cache/jaxtrain/programs").expanduser()
 
@@ -85,7 +90,7 @@ def _ours(family: Any) -> bool:
     return all(getattr(p, "__module__", "").startswith("jaxtrain.") for p in parts if p is not None)
 
 
-def _sources() -> list[tuple[str, Path]]:
+def sources() -> list[tuple[str, Path]]:
     """(name inside its package, path) of every Python file of jaxtrain and its model families."""
     import jaxtrain
     import jaxtrain.models
@@ -111,7 +116,7 @@ def key(s: Any) -> str:
     for part in (FORMAT, cfg, model, repr(s.rules.table), repr(s.rules.optimizer_table), devices,
                  dict(s.mesh.shape), config, os.environ.get("XLA_FLAGS", ""), versions):
         h.update(json.dumps(part, sort_keys=True, default=repr).encode() + b"\0")
-    for name, path in _sources():
+    for name, path in sources():
         h.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()
 

@@ -79,8 +79,8 @@ def test_the_key_follows_what_shapes_a_program(small_cfg, cache, monkeypatch, tm
         assert program_cache.key(_setup(small_cfg, override)) != base, override
     source = tmp_path / "module.py"  # an edited source file: another key
     source.write_text("x = 1\n")
-    sources = program_cache._sources()
-    monkeypatch.setattr(program_cache, "_sources", lambda: [*sources, ("jaxtrain/module.py", source)])
+    sources = program_cache.sources()
+    monkeypatch.setattr(program_cache, "sources", lambda: [*sources, ("jaxtrain/module.py", source)])
     before = program_cache.key(_setup(small_cfg))
     source.write_text("x = 2\n")
     assert program_cache.key(_setup(small_cfg)) != before != base

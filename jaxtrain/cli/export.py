@@ -34,7 +34,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                                "metrics.mlflow_tracking_uri, else $MLFLOW_TRACKING_URI)")
     parser.add_argument("--ready-timeout-s", type=float, default=None,
                         help="with --register: seconds to wait for the new version to be READY before failing "
-                             "(exit 2, alias not moved; default 300)")
+                             "(exit 1, alias not moved; default 300)")
     parser.add_argument("args", nargs="*", help="RUN_DIR OUT_DIR (export) or key=value overrides (--import)")
     a = parser.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     if not a.import_dir and not (len(a.args) == 2 or (a.register and len(a.args) == 1)):

@@ -155,8 +155,8 @@ class TrainConfig(Section):
     # A train step making no progress this long ends the run (exit 5, every thread's stack in the run dir);
     # an evaluation gets eval_batches / grad_accum times as long. null: 20x the slowest step, at least 300 s.
     hang_timeout_s: Optional[float] = None
-    # A compile the loop waits for (the train step's; a precompiled evaluation's or sample's) taking this
-    # long ends the run the same way (exit 5). null: no limit.
+    # The loop waiting this long for a compile (the train step's; a precompiled evaluation's or sample's),
+    # timed from when it needs the program, ends the run the same way (exit 5). null: no limit.
     compile_timeout_s: Optional[float] = 3600.0
 
 

@@ -11,9 +11,9 @@ heartbeat cannot see that case (jax-ml/jax#38503), because every process still a
 Then the watchdog writes every thread's Python stack (:mod:`faulthandler`) to
 ``<run dir>/hang_stacks.process<N>.txt`` (and stderr), prints a named error and ends the process
 with :data:`HANG_EXIT`; in a multi-process job it tells the others first, so they end the same way
-(``jaxtrain.runtime.heartbeat.leave``). A compile the loop waits for (the train step's, a
+(``jaxtrain.runtime.heartbeat.leave``). The loop's wait for a compile (the train step's, a
 precompiled evaluation's or sample's) has a limit of its own, ``train.compile_timeout_s``
-(null: none), named in its message. Checkpoint saves keep their own bound
+(null: none), timed from when the loop needs the program and named in its message. Checkpoint saves keep their own bound
 (``checkpoint.save_timeout_s``): they are described (for the grace-period message of a SIGTERM)
 but not limited here.
 

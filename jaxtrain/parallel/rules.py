@@ -29,6 +29,7 @@ a rule set or a mesh: it names activation dimensions through
 """
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -90,6 +91,12 @@ class Rules:
         opt = raw.get("optimizer_rules")
         if opt is not None and not isinstance(opt, dict):
             raise ConfigError(f"sharding.rules: {path}: 'optimizer_rules' must be a mapping")
+        stray = [name for name in (opt or {}) if name not in raw["rules"]]
+        if stray:  # a mistyped name would leave the optimizer state sharded as the params, silently
+            near = difflib.get_close_matches(str(stray[0]), list(map(str, raw["rules"])), n=1)
+            raise ConfigError(f"sharding.rules: {path}: optimizer_rules: '{stray[0]}' has no rule in 'rules'"
+                              f"{f' (did you mean {near[0]!r}?)' if near else ''}; an optimizer rule replaces "
+                              f"the rule of the same logical name for the optimizer state")
         return cls(path.stem, _parse_table(path.stem, raw["rules"]), allow_fallback,
                    optimizer_table=_parse_table(path.stem, opt) if opt else None)
 

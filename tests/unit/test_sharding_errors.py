@@ -78,6 +78,16 @@ def test_rules_file_that_does_not_parse_names_the_line(tmp_path):
                             f"but got '<stream end>'")
 
 
+def test_an_optimizer_rule_for_a_name_without_a_rule_is_named(tmp_path):
+    f = tmp_path / "zero1_typo.yaml"
+    f.write_text("rules:\n  batch: [[data]]\n  embed: [null]\noptimizer_rules:\n  embd: [data, null]\n")
+    with pytest.raises(ConfigError) as e:
+        Rules.load(str(f))
+    assert str(e.value) == (f"sharding.rules: {f}: optimizer_rules: 'embd' has no rule in 'rules' (did you mean "
+                            f"'embed'?); an optimizer rule replaces the rule of the same logical name for the "
+                            f"optimizer state")
+
+
 def test_rules_file_unknown_section(tmp_path):
     f = tmp_path / "extra.yaml"
     f.write_text("rules:\n  batch: [data]\noptimiser_rules:\n  embed: [data]\n")

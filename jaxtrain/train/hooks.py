@@ -338,11 +338,8 @@ class Sample(Hook):
             prompt = np.concatenate([[self.bos_id], prompt]).astype(np.int32)
         unk = getattr(tok, "unk", None)
         if loop.precompiled is not None:
-            compiling = loop.begin_compile("the sample's compile")
-            try:
+            with loop.compiling("the sample's compile"):
                 loop.precompiled.wait("sample")
-            finally:
-                compiling.end()
         work = loop.begin("the sample", scale=max(1.0, t.sample_tokens / 8))
         ids = generate(loop.setup.fns.apply, loop.state["params"], prompt, t.sample_tokens, loop.cfg.data.seq_len,
                        t.sample_temperature, t.seed, banned=() if unk is None else (unk,),

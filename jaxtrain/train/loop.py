@@ -12,6 +12,7 @@ so the order they are given in changes nothing else, and each hook sees an immut
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -236,12 +237,16 @@ class TrainLoop:
         """Announces device work to the hang watchdog (:meth:`Watchdog.begin`)."""
         return self.watch.begin(what, step, scale) if self.watch is not None else _Unwatched()
 
-    def begin_compile(self, what: str):
-        """Announces a compile the loop waits for, limited by ``train.compile_timeout_s``
-        (:meth:`Watchdog.begin_compile`); end it with ``.end()``."""
-        if self.watch is None:
-            return _Unwatched()
-        return self.watch.begin_compile(what, self.cfg.train.compile_timeout_s)
+    @contextlib.contextmanager
+    def compiling(self, what: str) -> Iterator[None]:
+        """The block waits for a compile (``what``: "the train step's compile"): announced to the hang
+        watchdog, limited by ``train.compile_timeout_s`` (:meth:`Watchdog.begin_compile`)."""
+        limit = self.cfg.train.compile_timeout_s
+        work = self.watch.begin_compile(what, limit) if self.watch is not None else _Unwatched()
+        try:
+            yield
+        finally:
+            work.end()
 
     def write(self, step: int, values: dict) -> None:
         """One metrics row: to the sinks, and to the result."""
@@ -261,14 +266,10 @@ class TrainLoop:
         if record and self.last_eval.get("step") == step:
             return {k: v for k, v in self.last_eval.items() if k != "step"}
         jax.block_until_ready(self.state)  # the steps in flight are training time, not evaluation
+        evaluate = None
         if self.precompiled is not None:
-            compiling = self.begin_compile("the evaluation's compile")
-            try:
+            with self.compiling("the evaluation's compile"):
                 evaluate = self.precompiled.evaluation(self.state["params"], self.val)
-            finally:
-                compiling.end()
-        else:
-            evaluate = None
         # Before the dispatch: a one-device CPU program runs inline (jaxtrain.runtime.cpu_dispatch), so
         # a save started after it would begin only once the evaluation ended. Not evaluation time: each
         # callback counts its own (the last step's save: 'checkpoint').
@@ -346,17 +347,13 @@ class TrainLoop:
         """The train step compiled for the first real batch (ahead of it, when that compile fits the
         batch and the state), timed, for the hooks to report."""
         t0 = time.perf_counter()
-        compiling = self.begin_compile("the train step's compile")
-        try:
-            with self.out.status("compiling the train step"):
-                step_fn = self.precompiled.train_step(self.state, batch) if self.precompiled is not None else None
-                if step_fn is None:
-                    step_fn = self.setup.fns.train_step.lower(self.state, batch).compile()
-                    self.result.compile_s = time.perf_counter() - t0
-                else:
-                    self.result.compile_s = self.precompiled.seconds
-        finally:
-            compiling.end()
+        with self.compiling("the train step's compile"), self.out.status("compiling the train step"):
+            step_fn = self.precompiled.train_step(self.state, batch) if self.precompiled is not None else None
+            if step_fn is None:
+                step_fn = self.setup.fns.train_step.lower(self.state, batch).compile()
+                self.result.compile_s = time.perf_counter() - t0
+            else:
+                self.result.compile_s = self.precompiled.seconds
         for hook in hooks:
             hook.on_compile(self, step_fn, self.result.compile_s)
         return step_fn

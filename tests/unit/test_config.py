@@ -149,21 +149,17 @@ def test_string_fields_keep_override_text():
     assert cfg.data.path == "2024" and cfg.train.sample_prompt == "123" and cfg.optimizer.decay_steps is None
 
 
-def test_duplicate_yaml_key_is_an_error(tmp_path):
-    f = tmp_path / "dup.yaml"
-    f.write_text("train:\n  steps: 5\n  steps: 6\n")
-    with pytest.raises(ConfigError) as err:
-        cfglib.load(str(f))
-    assert str(err.value) == f"config file {f}, line 3, column 3: invalid YAML: duplicate key 'steps'"
-
-
-def test_a_yaml_syntax_error_is_one_line_with_its_position(tmp_path):
+@pytest.mark.parametrize("text, expected", [
+    ("train:\n  steps: 5\n  steps: 6\n", "line 3, column 3: invalid YAML: duplicate key 'steps'"),
+    ("model:\n  d_model: 128\n n_layers: [4\n",
+     "line 3, column 2: invalid YAML: expected <block end>, but found '<block mapping start>'"),
+])
+def test_a_bad_yaml_config_is_one_line_with_its_position(tmp_path, text, expected):
     f = tmp_path / "bad.yaml"
-    f.write_text("model:\n  d_model: 128\n n_layers: [4\n")
+    f.write_text(text)
     with pytest.raises(ConfigError) as err:
         cfglib.load(str(f))
-    assert str(err.value) == (f"config file {f}, line 3, column 2: invalid YAML: expected <block end>, "
-                              "but found '<block mapping start>'")
+    assert str(err.value) == f"config file {f}, {expected}"
 
 
 def test_overrides_may_precede_config():

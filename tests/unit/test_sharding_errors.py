@@ -60,32 +60,28 @@ def test_rules_candidate_naming_an_axis_twice(tmp_path):
     assert str(e.value) == "rules 'twice': logical name 'batch': candidate ['data', 'data'] names a mesh axis twice"
 
 
-def test_rules_file_with_a_logical_name_given_twice(tmp_path):
-    f = tmp_path / "dup.yaml"
-    f.write_text("rules:\n  batch: [data]\n  embed: [fsdp]\n  batch: [fsdp]\n")  # YAML would keep the last
+RULES_FILE_ERRORS = {  # a rules file -> its error, exactly ({f}: the file's path)
+    "a logical name given twice (YAML alone would keep the last)": (
+        "rules:\n  batch: [data]\n  embed: [fsdp]\n  batch: [fsdp]\n",
+        "sharding.rules: {f}: line 4: duplicate key 'batch' (given twice; YAML alone would silently keep the last)"),
+    "YAML that does not parse": (
+        "rules:\n  embed: [fsdp\n",
+        "sharding.rules: {f}, line 3, column 1: invalid YAML: expected ',' or ']', but got '<stream end>'"),
+    "an optimizer rule for a name without a rule": (
+        "rules:\n  batch: [[data]]\n  embed: [null]\noptimizer_rules:\n  embd: [data, null]\n",
+        "sharding.rules: {f}: optimizer_rules: 'embd' has no rule in 'rules' (did you mean 'embed'?); an optimizer "
+        "rule replaces the rule of the same logical name for the optimizer state"),
+}
+
+
+@pytest.mark.parametrize("case", list(RULES_FILE_ERRORS))
+def test_a_bad_rules_file_is_named_with_where_and_why(tmp_path, case):
+    text, expected = RULES_FILE_ERRORS[case]
+    f = tmp_path / "bad.yaml"
+    f.write_text(text)
     with pytest.raises(ConfigError) as e:
         Rules.load(str(f))
-    assert str(e.value) == (f"sharding.rules: {f}: line 4: duplicate key 'batch' (given twice; YAML alone would "
-                            f"silently keep the last)")
-
-
-def test_rules_file_that_does_not_parse_names_the_line(tmp_path):
-    f = tmp_path / "open.yaml"
-    f.write_text("rules:\n  embed: [fsdp\n")
-    with pytest.raises(ConfigError) as e:
-        Rules.load(str(f))
-    assert str(e.value) == (f"sharding.rules: {f}, line 3, column 1: invalid YAML: expected ',' or ']', "
-                            f"but got '<stream end>'")
-
-
-def test_an_optimizer_rule_for_a_name_without_a_rule_is_named(tmp_path):
-    f = tmp_path / "zero1_typo.yaml"
-    f.write_text("rules:\n  batch: [[data]]\n  embed: [null]\noptimizer_rules:\n  embd: [data, null]\n")
-    with pytest.raises(ConfigError) as e:
-        Rules.load(str(f))
-    assert str(e.value) == (f"sharding.rules: {f}: optimizer_rules: 'embd' has no rule in 'rules' (did you mean "
-                            f"'embed'?); an optimizer rule replaces the rule of the same logical name for the "
-                            f"optimizer state")
+    assert str(e.value) == expected.format(f=f)
 
 
 def test_rules_file_unknown_section(tmp_path):

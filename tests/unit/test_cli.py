@@ -1,4 +1,5 @@
 """The command lines share one error wrapper and are console scripts; metric sinks are chosen in config."""
+import os
 import re
 import subprocess
 import sys
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import jax
 import pytest
+import xla_test_flags
 from conftest import SMALL
 
 from jaxtrain import config as cfglib
@@ -111,7 +113,6 @@ def test_a_single_process_run_dispatches_its_cpu_programs_inline(monkeypatch, tm
 @pytest.mark.parametrize("command", [["jaxtrain.train", "train.steps=1", "run.dir={r}"],
                                      ["jaxtrain.export", "{r}", "{r}/out"]])  # (plan and explain run on CPU devices)
 def test_a_platform_jax_cannot_start_is_bad_input_named_by_its_variable(tmp_path, command):
-    import os
     env = {**os.environ, "JAX_PLATFORMS": "nonesuch"}
     args = [a.format(r=tmp_path / "r") for a in command]
     done = subprocess.run([sys.executable, "-m", *args], env=env, capture_output=True, text=True, timeout=300)
@@ -186,7 +187,8 @@ def test_a_stuck_train_step_compile_ends_the_run_by_name(tmp_path):
     done = subprocess.run([sys.executable, str(script), "--config", "configs/shakespeare_char.yaml",
                            "train.steps=2", "train.compile_timeout_s=1", "checkpoint.enabled=false",
                            f"run.dir={tmp_path / 'run'}", "run.progress=false"],
-                          cwd=repo, capture_output=True, text=True, timeout=300)
+                          cwd=repo, env={**os.environ, "XLA_FLAGS": xla_test_flags.with_devices(1)},
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 5, done.stderr[-2000:]
     assert re.search(r"error: train\.compile_timeout_s: the train step's compile did not finish in [\d.]+ s "
                      r"\(limit 1 s\)", done.stderr), done.stderr[-2000:]

@@ -156,9 +156,12 @@ def load(path: Optional[str] = None, overrides: list[str] | tuple[str, ...] = ()
             raise ConfigError(yaml_error(f"config file {file}", err)) from None
         except UnicodeDecodeError as err:
             raise ConfigError(f"config file {file}: not UTF-8 text (byte {err.start}: {err.reason})") from None
-        if loaded is not None and not isinstance(loaded, dict):
+        if loaded is None:  # a truncated or unsaved file would otherwise train the built-in default job
+            raise ConfigError(f"config file {file}: empty (no keys); leave out --config for the built-in "
+                              f"default job, or write '{{}}' for the defaults")
+        if not isinstance(loaded, dict):
             raise ConfigError(f"config file {file}: top level must be a mapping")
-        tree = loaded or {}
+        tree = loaded
     family = tree.get("model", {}).get("family", DEFAULT_FAMILY) if isinstance(tree.get("model"), dict) \
         else DEFAULT_FAMILY
     for item in overrides:  # the family named last decides how model.* values are typed

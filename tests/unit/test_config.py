@@ -162,6 +162,18 @@ def test_a_bad_yaml_config_is_one_line_with_its_position(tmp_path, text, expecte
     assert str(err.value) == f"config file {f}, {expected}"
 
 
+@pytest.mark.parametrize("text", ["", "# all commented out\n# train:\n#   steps: 5\n", "---\n"])
+def test_an_empty_config_file_is_an_error_not_the_default_job(tmp_path, text):
+    f = tmp_path / "empty.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        cfglib.load(str(f))
+    assert str(err.value) == (f"config file {f}: empty (no keys); leave out --config for the built-in default "
+                              f"job, or write '{{}}' for the defaults")
+    f.write_text("{}\n")
+    assert cfglib.load(str(f)) == cfglib.load(None)
+
+
 def test_overrides_may_precede_config():
     assert parsed(["train.steps=3", "--config", "c.yaml", "run.dir=x"]) == ("c.yaml", ["train.steps=3", "run.dir=x"])
 

@@ -13,7 +13,7 @@ import platform
 import sys
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import yaml
 
@@ -106,8 +106,12 @@ def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def resume_changes(cfg: Config, run_dir: Path) -> tuple[list[str], list[str]]:
+def resume_changes(cfg: Config, run_dir: Path, vocab: Optional[int] = None) -> tuple[list[str], list[str]]:
     """Compares ``cfg`` with the run directory's ``config.yaml`` before a resume.
+
+    A key written two ways that mean the same (``model.vocab_size`` 0, "from the tokenizer", against
+    the tokenizer's ``vocab``; ``model.max_positions`` None against ``data.seq_len``, as an HF import
+    records them) is not a change.
 
     Returns:
       (shape_keys, notes): one line per changed key that fixes parameter shapes
@@ -128,7 +132,8 @@ def resume_changes(cfg: Config, run_dir: Path) -> tuple[list[str], list[str]]:
     except UnicodeDecodeError as err:
         raise ConfigError(f"run.dir: {path} is not UTF-8 text (byte {err.start}: {err.reason})") from None
     new = _flat(cfg.to_dict())
-    changed = [k for k in new if k in saved and saved[k] != new[k]]
+    same_new, same_saved = _resolved(new, vocab), _resolved(saved, vocab)
+    changed = [k for k in new if k in saved and same_saved[k] != same_new[k]]
     if saved.get("model.family", "llama") != cfg.model.family:  # every model key means something else now
         changed.insert(0, "model.family")
         saved.setdefault("model.family", "llama")
@@ -145,6 +150,16 @@ def resume_changes(cfg: Config, run_dir: Path) -> tuple[list[str], list[str]]:
                 if old_horizon > cfg.optimizer.warmup_steps else "")
         notes.append(f"the LR schedule now decays over {cfg.decay_steps} steps (was {old_horizon}){keep}")
     return shape_keys, notes
+
+
+def _resolved(flat: dict[str, Any], vocab: Optional[int]) -> dict[str, Any]:
+    """``flat`` with the model keys' "unset" values replaced by what they stand for."""
+    out = dict(flat)
+    if vocab and out.get("model.vocab_size") == 0:
+        out["model.vocab_size"] = vocab
+    if "model.max_positions" in out and out["model.max_positions"] is None:
+        out["model.max_positions"] = out.get("data.seq_len")
+    return out
 
 
 def _last_step(metrics: Path) -> int:

@@ -182,7 +182,7 @@ def resume(s: Setup, ckpt: Optional[Checkpointer], batches, run_dir: Path, out: 
         # flight together and starve each other of threads (an abort after 40 s; a warm compile
         # cache makes the step ready that soon).
         return jax.block_until_ready((program_cache.init(s) or s.fns.init)())
-    shape_keys, notes = rundir.resume_changes(s.cfg, run_dir)
+    shape_keys, notes = rundir.resume_changes(s.cfg, run_dir, getattr(s.model_config, "vocab_size", None))
     for note in notes:
         out.info(f"[yellow]note:[/] {note}")
     try:

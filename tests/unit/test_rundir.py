@@ -90,6 +90,20 @@ def test_resume_notes_name_changed_data_and_optimizer_keys(small_cfg):
                      "optimizer.lr changed from 0.001 to 0.0005", "optimizer.b2 changed from 0.99 to 0.95"]
 
 
+def test_resume_notes_treat_unset_model_keys_as_what_they_stand_for(small_cfg):
+    # An HF import records vocab_size and max_positions from config.json; the user's own config leaves
+    # them unset (0: the tokenizer's, None: data.seq_len). Same values: no note. Different: named.
+    from jaxtrain.train import rundir
+    cfg = small_cfg("model.vocab_size=66", "model.max_positions=" + str(small_cfg().data.seq_len))
+    Path(cfg.run.dir).mkdir(parents=True)
+    rundir.write_config_file(cfg, Path(cfg.run.dir))
+    assert rundir.resume_changes(small_cfg(), Path(cfg.run.dir), vocab=66) == ([], [])
+    shape_keys, notes = rundir.resume_changes(small_cfg("model.max_positions=2048"), Path(cfg.run.dir), vocab=65)
+    seq = small_cfg().data.seq_len
+    assert shape_keys == ["model.vocab_size: checkpoint has 66, config has 0"]
+    assert notes == [f"model.max_positions changed from {seq} to 2048"]
+
+
 def test_the_jitted_sampler_equals_a_token_by_token_loop_with_a_sliding_window():
     import jax.numpy as jnp
 

@@ -230,6 +230,26 @@ def import_hf(hf_dir: Path, cfg: Config, devices=None, notes: Optional[list[str]
     return run_dir
 
 
+def _check_out_dir(out_dir: Path, run_dir: Path, checkpoint_dir: Optional[str]) -> None:
+    """Refuses an export into the run directory itself or into its checkpoint folder, where HF's
+    ``config.json`` and weight files would sit among the run's own files (a subfolder such as
+    ``RUN_DIR/hf`` is fine).
+
+    Raises:
+      ConfigError: naming the folder.
+    """
+    out = out_dir.expanduser().resolve()
+    if out == run_dir.expanduser().resolve():
+        raise ConfigError(f"export: OUT_DIR '{out_dir}' is the run directory itself; name a new folder "
+                          f"(e.g. {run_dir / 'hf'})")
+    ckpt = checkpoint_dir or str(run_dir / "checkpoints")
+    if "://" not in ckpt:
+        ckpt_path = Path(ckpt).expanduser().resolve()
+        if out == ckpt_path or ckpt_path in out.parents:
+            raise ConfigError(f"export: OUT_DIR '{out_dir}' is inside the run's checkpoint folder {ckpt}, "
+                              f"whose every entry is read as a checkpoint step; name a folder outside it")
+
+
 def _from_hf(conv: HFConverter, tensors: dict, model_cfg, notes: list[str]) -> dict:
     """``conv.from_hf(tensors, model_cfg)``, passing ``notes`` to a converter whose from_hf takes them
     (a family's own converter may predate the parameter)."""
@@ -290,7 +310,8 @@ def export(run_dir: Path, out_dir: Path, step: Optional[int] = None,
     ``model.safetensors.index.json``. Weight files of an earlier export into ``out_dir`` are replaced.
 
     Raises:
-      ConfigError: no config.yaml in ``run_dir``, a family without converter, or a bad size.
+      ConfigError: no config.yaml in ``run_dir``, a family without converter, a bad size, or
+        ``out_dir`` is ``run_dir`` itself or in its checkpoint folder.
       CheckpointError: no committed checkpoint, or no such step.
     """
     limit = parse_size(max_shard_size)
@@ -299,6 +320,7 @@ def export(run_dir: Path, out_dir: Path, step: Optional[int] = None,
         raise ConfigError(f"export: '{run_dir}' is not a run directory (no config.yaml)")
     paths.check_folder("export", str(out_dir))  # before any work
     cfg = _single_device(load(str(run_dir / "config.yaml")))
+    _check_out_dir(Path(out_dir), run_dir, cfg.checkpoint.dir)
     conv = converter(cfg)
     s = setup(cfg, jax.devices()[:1], vocab=_run_vocab(cfg, run_dir))
     ckpt = Checkpointer(cfg, run_dir)

@@ -33,6 +33,22 @@ def test_a_file_where_a_folder_must_be_is_named(tmp_path):
     assert storage.open_store(str(tmp_path / "new" / "ckpts")).root.name == "ckpts"  # nothing in the way
 
 
+def test_an_export_into_the_run_directory_or_its_checkpoints_is_refused_before_any_work(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints" / "5").mkdir(parents=True)
+    (run / "config.yaml").write_text("model: {}\n")
+    with pytest.raises(ConfigError) as e:
+        hf.export(run, run)
+    assert str(e.value) == (f"export: OUT_DIR '{tmp_path / 'run'}' is the run directory itself; name a new folder "
+                            f"(e.g. {run / 'hf'})")
+    for out in (run / "checkpoints", run / "checkpoints" / "hf"):
+        with pytest.raises(ConfigError) as e:
+            hf.export(run, out)
+        assert str(e.value) == (f"export: OUT_DIR '{out}' is inside the run's checkpoint folder {run / 'checkpoints'}, "
+                                f"whose every entry is read as a checkpoint step; name a folder outside it")
+    assert sorted(p.name for p in run.rglob("*")) == ["5", "checkpoints", "config.yaml"]  # nothing written
+
+
 def test_report_names_an_unknown_image_type_and_a_broken_run_config(tmp_path):
     with pytest.raises(ConfigError, match=r"^report: -o .*r.txt: the file must end in .png, .svg, .pdf$"):
         report.write([tmp_path], tmp_path / "r.txt")

@@ -151,8 +151,17 @@ def enable_compilation_cache(devices: Optional[Sequence[Any]] = None) -> bool:
         jax.config.update("jax_enable_compilation_cache", False)
         jax.config.update("jax_compilation_cache_dir", None)  # also where JAX_COMPILATION_CACHE_DIR set one
         return False
-    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        jax.config.update("jax_compilation_cache_dir", os.path.expanduser("~/.cache/jaxtrain/xla"))
+    from pathlib import Path
+
+    from jaxtrain.runtime.env import cache_folder_usable
+    folder = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    what = f"JAX_COMPILATION_CACHE_DIR={folder}" if folder else "JAX's compilation cache"
+    folder = folder or os.path.expanduser("~/.cache/jaxtrain/xla")
+    if not cache_folder_usable(Path(folder), what):  # JAX would warn on every entry and compile anyway
+        jax.config.update("jax_enable_compilation_cache", False)
+        jax.config.update("jax_compilation_cache_dir", None)
+        return False
+    jax.config.update("jax_compilation_cache_dir", folder)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     return True
 

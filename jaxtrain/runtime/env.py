@@ -1,7 +1,9 @@
-"""Reading jaxtrain's on/off environment variables the same way everywhere."""
+"""Reading jaxtrain's environment variables (on/off switches, cache folders) the same way everywhere."""
 from __future__ import annotations
 
+import logging
 import os
+from pathlib import Path
 
 
 def switch(name: str, default: bool, on: str, off: str, env: os._Environ | dict = os.environ) -> bool:
@@ -19,3 +21,20 @@ def switch(name: str, default: bool, on: str, off: str, env: os._Environ | dict 
         from jaxtrain.errors import InputError
         raise InputError(f"{name}={value!r}: expected 1 ({on}) or 0 ({off})")
     return value == "1"
+
+
+def cache_folder_usable(path: Path, what: str) -> bool:
+    """Whether ``path`` is a folder, or could be made one: no file is in the way, at it or above it.
+
+    A cache is an optimisation, so a file in the way is not an error: one warning naming ``what``
+    (e.g. ``JAX_COMPILATION_CACHE_DIR=/x``) goes to the ``jaxtrain`` logger, and the caller runs
+    without that cache rather than failing on each entry.
+    """
+    for p in (path, *path.parents):
+        if p.exists():
+            if p.is_dir():
+                return True
+            logging.getLogger("jaxtrain").warning(
+                f"warning: {what}: '{p}' is a file, not a folder, so that cache is off for this run")
+            return False
+    return True

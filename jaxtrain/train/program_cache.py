@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional
 
 import jax
 
-from jaxtrain.runtime.env import switch
+from jaxtrain.runtime.env import cache_folder_usable, switch
 
 log = logging.getLogger("jaxtrain")
 
@@ -54,10 +54,14 @@ _enabled = False
 
 
 def enable(env: os._Environ | dict = os.environ) -> bool:
-    """Turns the cache on for this process (the command line does), unless ``JAXTRAIN_PROGRAM_CACHE=0``.
-    Returns whether it is on. Raises InputError for a value other than 0 or 1."""
+    """Turns the cache on for this process (the command line does), unless ``JAXTRAIN_PROGRAM_CACHE=0``
+    or a file is where its folder would be (then one warning). Returns whether it is on. Raises
+    InputError for a value other than 0 or 1."""
     global _enabled
     _enabled = switch(SWITCH, True, "keep exported programs across runs, the default", "trace every run", env)
+    if _enabled and not cache_folder_usable(root(env), f"{DIR_VAR}={env.get(DIR_VAR)}" if env.get(DIR_VAR)
+                                            else "jaxtrain's program cache"):
+        _enabled = False
     return _enabled
 
 

@@ -169,6 +169,42 @@ def test_no_persistent_compile_cache_over_several_cpu_devices(monkeypatch):
             jax.config.update(k, v)
 
 
+def test_a_file_where_a_cache_folder_must_be_turns_that_cache_off_with_one_warning(tmp_path, monkeypatch):
+    """JAX alone warns on every entry it cannot read or write and compiles anyway; the program cache
+    failed silently. Both now say it once, by name, and run without that cache."""
+    import logging
+
+    import jax
+
+    from jaxtrain.cli.common import enable_compilation_cache
+    from jaxtrain.train import program_cache
+    keys = ("jax_enable_compilation_cache", "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    saved = {k: jax.config.values[k] for k in keys}
+    (tmp_path / "f").write_text("not a folder")
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    monkeypatch.setattr(logging.getLogger("jaxtrain"), "handlers", [handler])  # whatever log_to_console set
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "f"))
+    env = {program_cache.DIR_VAR: str(tmp_path / "f" / "programs")}
+    try:
+        assert enable_compilation_cache([jax.devices()[0]]) is False
+        assert program_cache.enable(env) is False and not program_cache.enabled()
+        assert jax.config.values["jax_enable_compilation_cache"] is False
+        assert lines == [
+            f"warning: JAX_COMPILATION_CACHE_DIR={tmp_path / 'f'}: '{tmp_path / 'f'}' is a file, not a folder, "
+            f"so that cache is off for this run",
+            f"warning: {program_cache.DIR_VAR}={tmp_path / 'f' / 'programs'}: '{tmp_path / 'f'}' is a file, not a "
+            f"folder, so that cache is off for this run"]
+        env = {program_cache.DIR_VAR: str(tmp_path / "new" / "programs")}  # nothing in the way: on, no warning
+        lines.clear()
+        assert program_cache.enable(env) is True and lines == []
+    finally:
+        program_cache.disable()
+        for k, v in saved.items():
+            jax.config.update(k, v)
+
+
 STUCK_COMPILE = """
 import sys, time
 from jaxtrain.train import precompile

@@ -7,7 +7,8 @@ Tracing and lowering is Python work under one interpreter lock: on ``configs/sha
 
 Format: :func:`jax.export.export` of a function of the arguments' flattened leaves, serialized with
 ``Exported.serialize`` (a flatbuffer holding the StableHLO bytecode; nothing is unpickled), plus a
-JSON file with the output's tree structure. Entries live in ``JAXTRAIN_PROGRAM_CACHE_DIR``
+JSON file with the output's tree structure and the jaxtrain log lines the tracing printed (said again
+when the entry is loaded). Entries live in ``JAXTRAIN_PROGRAM_CACHE_DIR``
 (default ``~/.cache/jaxtrain/programs``), one directory per key; the newest :data:`KEEP` are kept.
 
 The key is a SHA-256 of everything a traced program depends on: the Python source of jaxtrain and
@@ -201,11 +202,12 @@ def compiled(s: Any, name: str, fn: Callable, args: tuple, out_shardings: Callab
     loaded = exp is not None
     if not loaded:
         try:
-            exp, out = _export(fn, args, leaves, refs)
+            exp, out, lines = _export(fn, args, leaves, refs)
         except Exception as err:  # noqa: BLE001 - e.g. a custom call jax.export refuses: jit compiles it
             _unexportable(entry, name, err)
             return None
-        _store(entry, name, exp, out, refs)
+        _said.update(m for _, m in lines)  # printed while it was traced
+        _store(entry, name, exp, out, refs, lines)
     shaped = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out),
                                           [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in exp.out_avals])
     call = jax.jit(exp.call, in_shardings=tuple(x.sharding for x in leaves),
@@ -305,6 +307,7 @@ def init(s: Any) -> Optional[Program]:
 
 
 def _export(fn: Callable, args: tuple, leaves: list, refs: dict):
+    """(Exported, output pytree, the jaxtrain log lines its tracing printed: ``[[level, message], ...]``)."""
     from jax import export
     treedef = jax.tree_util.tree_structure(args)
     outs: list = []
@@ -314,17 +317,44 @@ def _export(fn: Callable, args: tuple, leaves: list, refs: dict):
         outs.append(out)
         return tuple(jax.tree_util.tree_leaves(out))
 
-    exp = export.export(jax.jit(flat))(*leaves)
+    with _traced_lines() as lines:
+        exp = export.export(jax.jit(flat))(*leaves)
     _encode(outs[0], refs)  # a structure that cannot be recorded is not exported
-    return exp, outs[0]
+    return exp, outs[0], lines
 
 
-def _store(entry: Path, name: str, exp: Any, out: Any, refs: dict) -> None:
+@contextlib.contextmanager
+def _traced_lines():
+    """Collects the INFO and higher lines jaxtrain's loggers print on this thread (e.g. which attention
+    ``model.attention=auto`` picked), so that a run loading the program says them too."""
+    lines: list = []
+    me = threading.get_ident()
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda r: lines.append([r.levelno, r.getMessage()]) if r.thread == me else None
+    log.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        log.removeHandler(handler)
+
+
+_said: set = set()  # the stored lines said by this process, each once
+
+
+def _say(lines: Any) -> None:
+    for item in lines if isinstance(lines, list) else ():
+        level, message = item if isinstance(item, list) and len(item) == 2 else (0, None)
+        if isinstance(level, int) and isinstance(message, str) and message not in _said:
+            _said.add(message)
+            log.log(level, message)
+
+
+def _store(entry: Path, name: str, exp: Any, out: Any, refs: dict, lines: list) -> None:
     """Writes the entry atomically (each file under a temporary name, then renamed); a failed write
     leaves the run as it was."""
     try:
         entry.mkdir(parents=True, exist_ok=True)
-        meta = json.dumps({"format": FORMAT, "out": _encode(out, refs)})
+        meta = json.dumps({"format": FORMAT, "out": _encode(out, refs), "log": lines})
         for suffix, data in ((".jaxexp", bytes(exp.serialize())), (".json", meta.encode())):
             tmp = entry / f".{name}{suffix}.{os.getpid()}"
             tmp.write_bytes(data)
@@ -352,6 +382,7 @@ def _load(entry: Path, name: str, leaves: list, refs: dict):
             or len(exp.out_avals) != jax.tree_util.tree_structure(out).num_leaves):
         return None, None
     os.utime(entry)  # recently used: kept by _prune
+    _say(meta.get("log", []))
     return exp, out
 
 

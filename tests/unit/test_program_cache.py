@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections import namedtuple
 
 import jax
@@ -107,6 +108,38 @@ def test_a_damaged_entry_is_traced_again_and_replaced(small_cfg, cache):
     (cache / s._program_key / "evaluate.json").write_text("{not json")
     assert _evaluation(s, 2).loaded is False
     assert _evaluation(s, 2).loaded is True
+
+
+def test_a_loaded_program_says_the_lines_its_tracing_printed(small_cfg, cache, monkeypatch):
+    """'model.attention=auto -> ...' is printed while the model is traced; a run that loads the program
+    traces nothing and printed no such line before. Each process says a stored line once."""
+    import logging
+
+    from jaxtrain.models import attention
+    said = "model.attention=auto -> blockwise (backend cpu)"
+    lines: list = []
+    handler = logging.Handler()
+    handler.emit = lambda r: lines.append(r.getMessage())
+    log = logging.getLogger("jaxtrain")
+    monkeypatch.setattr(log, "handlers", [handler])
+    level = log.level
+    log.setLevel(logging.INFO)  # (setLevel, not the attribute: it clears the loggers' cached levels)
+    try:
+        monkeypatch.setattr(attention, "_logged", set())  # as in a new process
+        monkeypatch.setattr(program_cache, "_said", set())
+        jax.clear_caches()  # the blocks' traces of earlier tests would be reused: attention not traced again
+        s = _setup(small_cfg)
+        assert _evaluation(s, 2).loaded is False
+        assert lines == [said]
+        meta = json.loads((cache / s._program_key / "evaluate.json").read_text())
+        assert meta["log"] == [[logging.INFO, said]]
+        lines.clear()
+        monkeypatch.setattr(attention, "_logged", set())  # the next run: a new process
+        monkeypatch.setattr(program_cache, "_said", set())
+        assert _evaluation(s, 2).loaded is True and _evaluation(s, 2).loaded is True
+        assert lines == [said]
+    finally:
+        log.setLevel(level)
 
 
 def test_an_entry_for_other_shapes_is_not_used(small_cfg, cache):

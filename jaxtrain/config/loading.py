@@ -182,7 +182,8 @@ class UniqueKeyLoader(yaml.SafeLoader):
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key '{key}'", key_node.start_mark)
+                    None, None, f"duplicate key '{key}' (YAML alone would silently keep the last)",
+                    key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 

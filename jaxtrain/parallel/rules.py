@@ -75,12 +75,7 @@ class Rules:
             raw = yaml.load(path.read_text(), Loader=UniqueKeyLoader)  # a key given twice is an error
         except UnicodeDecodeError as err:
             raise ConfigError(f"sharding.rules: {path}: not UTF-8 text (byte {err.start}: {err.reason})") from None
-        except yaml.MarkedYAMLError as err:
-            if (err.problem or "").startswith("duplicate key"):
-                raise ConfigError(f"sharding.rules: {path}: line {err.problem_mark.line + 1}: {err.problem} "
-                                  f"(given twice; YAML alone would silently keep the last)") from None
-            raise ConfigError(yaml_error(f"sharding.rules: {path}", err)) from None
-        except yaml.YAMLError as err:
+        except yaml.YAMLError as err:  # one line with the position, a key given twice included
             raise ConfigError(yaml_error(f"sharding.rules: {path}", err)) from None
         if not isinstance(raw, dict) or not isinstance(raw.get("rules"), dict):
             raise ConfigError(f"sharding.rules: {path}: expected a mapping with a 'rules' mapping")

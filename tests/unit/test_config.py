@@ -150,7 +150,8 @@ def test_string_fields_keep_override_text():
 
 
 @pytest.mark.parametrize("text, expected", [
-    ("train:\n  steps: 5\n  steps: 6\n", "line 3, column 3: invalid YAML: duplicate key 'steps'"),
+    ("train:\n  steps: 5\n  steps: 6\n",
+     "line 3, column 3: invalid YAML: duplicate key 'steps' (YAML alone would silently keep the last)"),
     ("model:\n  d_model: 128\n n_layers: [4\n",
      "line 3, column 2: invalid YAML: expected <block end>, but found '<block mapping start>'"),
 ])

@@ -63,7 +63,8 @@ def test_rules_candidate_naming_an_axis_twice(tmp_path):
 RULES_FILE_ERRORS = {  # a rules file -> its error, exactly ({f}: the file's path)
     "a logical name given twice (YAML alone would keep the last)": (
         "rules:\n  batch: [data]\n  embed: [fsdp]\n  batch: [fsdp]\n",
-        "sharding.rules: {f}: line 4: duplicate key 'batch' (given twice; YAML alone would silently keep the last)"),
+        "sharding.rules: {f}, line 4, column 3: invalid YAML: duplicate key 'batch' (YAML alone would silently keep "
+        "the last)"),
     "YAML that does not parse": (
         "rules:\n  embed: [fsdp\n",
         "sharding.rules: {f}, line 3, column 1: invalid YAML: expected ',' or ']', but got '<stream end>'"),

@@ -212,12 +212,14 @@ class LogMetrics(Hook):
 
 
 class Evaluate(Hook):
-    """Every ``train.eval_every`` steps and at ``train.steps``; at the end, the final validation loss."""
+    """Every ``train.eval_every`` steps and at ``train.steps``; at the end, the final validation loss.
+    Not at a step a stop signal ends the run at: the grace period is the save's (an evaluation cannot
+    be cut short once dispatched, and a large validation set could use the grace up)."""
 
-    every, at, produces = "train.eval_every", "last", "evaluation"
+    every, at, produces, reads = "train.eval_every", "last", "evaluation", ("stop",)
 
-    def after_step(self, loop: TrainLoop, rec: StepRecord) -> dict:
-        return loop.evaluate(rec.step)
+    def after_step(self, loop: TrainLoop, rec: StepRecord) -> Optional[dict]:
+        return None if rec.stop else loop.evaluate(rec.step)
 
     def on_end(self, loop: TrainLoop, ok: bool) -> None:
         if not ok or (loop.record is not None and loop.record.stop):
@@ -262,8 +264,8 @@ class Checkpointing(Hook):
         saving = bool(rec.stop) or (ckpt.due(rec.step, final=rec.last) and (rec.last or not rec.skipped.streak))
         if saving or ckpt.started(rec.step):
             evaluation = rec.evaluation
-            if evaluation is None and loop.cfg.checkpoint.keep_best:
-                evaluation = loop.evaluate(rec.step)  # best-K needs this step's metric
+            if evaluation is None and loop.cfg.checkpoint.keep_best and not rec.stop:
+                evaluation = loop.evaluate(rec.step)  # best-K needs this step's metric (kept as the newest)
             metrics = {k: v for k, v in (evaluation or {}).items() if k != "eval_time_s"}
             if ckpt.started(rec.step):  # started while the step was evaluated
                 ckpt.set_metrics(rec.step, metrics)

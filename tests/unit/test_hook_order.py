@@ -1,6 +1,8 @@
 """The loop owns the order of the hooks: it follows what each declares it produces and reads, so the
 order they are given in changes no output (the rows, the checkpoints, the sample, the final state)."""
 import json
+import os
+import signal
 
 import jax
 import numpy as np
@@ -35,6 +37,30 @@ def test_the_order_hooks_are_given_in_changes_no_output(small_cfg, monkeypatch):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     kept = [sorted(p.name for p in (r.run_dir / "checkpoints").iterdir()) for r in (given, reversed_)]
     assert kept[0] == kept[1] and "6" in kept[0], kept  # the same steps kept (best by val_loss, and the last)
+
+
+class SignalAt(Hook):
+    """Sends this process SIGTERM before step ``at`` is dispatched, as a preemption notice would."""
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def before_step(self, loop, step: int) -> None:
+        if step == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_stop_at_an_evaluation_step_saves_without_evaluating(small_cfg):
+    """The grace period is the save's: the evaluation due at the stop step (and keep_best's) is skipped,
+    the stop step is committed (without a metric), and the run ends there."""
+    cfg = small_cfg("train.steps=6", "train.eval_every=2", "train.log_every=1", "checkpoint.every=100",
+                    "checkpoint.keep_best=1", "mesh.data=1", run_dir="stopped")
+    result = fit(cfg, devices=jax.devices()[:1], quiet=True, hooks=[SignalAt(4)])
+    assert result.preempted == "SIGTERM" and result.val_loss is None
+    assert [r["step"] for r in result.rows if "val_loss" in r] == [2]  # not at 4, where it stopped
+    assert [r["step"] for r in result.rows if "loss" in r] == [1, 2, 3, 4]
+    marker = json.loads((result.run_dir / "checkpoints" / "4" / "COMMIT.json").read_text())
+    assert marker["step"] == 4 and marker["metrics"] == {}
 
 
 class Producer(Hook):

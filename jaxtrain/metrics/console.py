@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import Optional
 
 from rich.console import Console
@@ -15,6 +16,15 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from rich.table import Table
+
+# Unicode's control characters (C0, DEL, C1) but newline and tab: printed raw, ESC or CSI start terminal
+# escape sequences (an early byte-level sample is random bytes, ~1 in 256 of them ESC).
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """``text`` with each control character but newline and tab written as its escape (``\\x1b``)."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 def format_flops(flops_per_s: Optional[float]) -> str:
@@ -85,6 +95,7 @@ class Reporter:
                 yield
 
     def text(self, title: str, text: str) -> None:
-        """``title:`` then ``text`` verbatim (no markup), e.g. a generated sample."""
+        """``title:`` then ``text`` verbatim (no markup; control characters escaped: :func:`printable`),
+        e.g. a generated sample."""
         self.console.print(f"{title}:")
-        self.console.print(text, markup=False, soft_wrap=True)
+        self.console.print(printable(text), markup=False, soft_wrap=True)

@@ -126,6 +126,14 @@ def test_the_jitted_sampler_equals_a_token_by_token_loop_with_a_sliding_window()
     assert ids.tolist() == host([1, 2, 3, 4, 5, 6], 5, 4)
 
 
+def test_a_sample_is_printed_with_its_control_characters_escaped(capsys):
+    """An early byte-level sample is random bytes: ESC (and the C1 CSI) would start terminal escape
+    sequences. Newlines stay (and tabs, which rich expands)."""
+    from jaxtrain.metrics.console import Reporter
+    Reporter(quiet=True, total=1).text("sample", "To be\x1b(0 or not\x07\x9b\x00\r\nthat")
+    assert capsys.readouterr().out == "sample:\nTo be\\x1b(0 or not\\x07\\x9b\\x00\\x0d\nthat\n"
+
+
 def test_no_sample_is_drawn_or_printed_when_train_sample_tokens_is_0(small_cfg, capsys):
     cfg = small_cfg("train.steps=1", "train.sample_tokens=0", "train.eval_batches=1", "checkpoint.enabled=false",
                     "mesh.data=1")

@@ -35,8 +35,10 @@ from jaxtrain.errors import CheckpointError, ConfigError, CorruptCheckpointError
 from jaxtrain.interop.hf_files import (
     CONFIG_FILE,
     DEFAULT_MAX_SHARD_SIZE,
+    EXPORT_MARK,
     INDEX_FILE,
     WEIGHTS_FILE,
+    check_no_foreign_weights,
     load_tensors,
     parse_size,
     read_hf_config,
@@ -310,8 +312,9 @@ def export(run_dir: Path, out_dir: Path, step: Optional[int] = None,
     ``model.safetensors.index.json``. Weight files of an earlier export into ``out_dir`` are replaced.
 
     Raises:
-      ConfigError: no config.yaml in ``run_dir``, a family without converter, a bad size, or
-        ``out_dir`` is ``run_dir`` itself or in its checkpoint folder.
+      ConfigError: no config.yaml in ``run_dir``, a family without converter, a bad size,
+        ``out_dir`` is ``run_dir`` itself or in its checkpoint folder, or holds weight files no
+        jaxtrain export wrote.
       CheckpointError: no committed checkpoint, or no such step.
     """
     limit = parse_size(max_shard_size)
@@ -321,6 +324,7 @@ def export(run_dir: Path, out_dir: Path, step: Optional[int] = None,
     paths.check_folder("export", str(out_dir))  # before any work
     cfg = _single_device(load(str(run_dir / "config.yaml")))
     _check_out_dir(Path(out_dir), run_dir, cfg.checkpoint.dir)
+    check_no_foreign_weights(Path(out_dir))
     conv = converter(cfg)
     s = setup(cfg, jax.devices()[:1], vocab=_run_vocab(cfg, run_dir))
     ckpt = Checkpointer(cfg, run_dir)
@@ -341,6 +345,6 @@ def export(run_dir: Path, out_dir: Path, step: Optional[int] = None,
     hf_config = conv.hf_config(s.model_config, cfg.data.seq_len)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_weights(tensors, out_dir, limit, {"format": "pt", "jaxtrain_step": str(step)})
+    write_weights(tensors, out_dir, limit, {"format": "pt", EXPORT_MARK: str(step)})
     (out_dir / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
     return out_dir

@@ -182,7 +182,8 @@ def write_weights(tensors: dict, out_dir: Path, max_shard_bytes: int, metadata: 
     One ``model.safetensors`` when they fit in ``max_shard_bytes``; else shards filled in order, a new
     one started when the next tensor would overflow the current one, and the index. Each file is
     written under a temporary name and renamed; weight files of an earlier export (another layout or
-    shard count) are then removed, so the directory never mixes two exports' weights. The same
+    shard count) are then removed, so the directory never mixes two exports' weights (the caller
+    checks first that no other weight files are there: :func:`check_no_foreign_weights`). The same
     tensors and metadata always give the same bytes.
     """
     shards: list[list[str]] = [[]]
@@ -222,6 +223,38 @@ def write_weights(tensors: dict, out_dir: Path, max_shard_bytes: int, metadata: 
         if old.name not in written and (old.name in (WEIGHTS_FILE, INDEX_FILE) or SHARD_NAME.match(old.name)):
             old.unlink()
     return written
+
+
+EXPORT_MARK = "jaxtrain_step"  # the safetensors metadata key every export writes
+
+
+def check_no_foreign_weights(out_dir: Path) -> None:
+    """Refuses an export into a folder holding HF weight files that no jaxtrain export wrote (the
+    export replaces an earlier export's weight files, and would replace or delete these too).
+
+    Raises:
+      ConfigError: naming them; nothing is written.
+    """
+    if not out_dir.is_dir():
+        return
+    weights = sorted(p for p in out_dir.iterdir() if p.name == WEIGHTS_FILE or SHARD_NAME.match(p.name))
+    ours = [p for p in weights if _exported(p)]
+    foreign = [p.name for p in weights if p not in ours]
+    if (out_dir / INDEX_FILE).exists() and not ours:
+        foreign.append(INDEX_FILE)
+    if foreign:
+        raise ConfigError(f"export: OUT_DIR '{out_dir}' holds {', '.join(foreign)}, not written by a jaxtrain "
+                          f"export, which this export would replace or delete; nothing was written (name "
+                          f"another folder, or move them)")
+
+
+def _exported(path: Path) -> bool:
+    """Whether a safetensors file carries the mark of a jaxtrain export (unreadable: no)."""
+    try:
+        with safe_open(str(path), framework="np") as f:
+            return EXPORT_MARK in (f.metadata() or {})
+    except (SafetensorError, OSError, ValueError):
+        return False
 
 
 def _sort_header(path: Path) -> None:

@@ -1,11 +1,12 @@
 """Files and folders that are not what a key needs: a named ConfigError (exit 2), never a traceback."""
+import numpy as np
 import pytest
 
 from jaxtrain import config as cfglib
 from jaxtrain.analysis import report
 from jaxtrain.checkpoint import storage
 from jaxtrain.errors import ConfigError, DataError
-from jaxtrain.interop import hf
+from jaxtrain.interop import hf, hf_files
 from jaxtrain.parallel.rules import Rules
 
 
@@ -47,6 +48,30 @@ def test_an_export_into_the_run_directory_or_its_checkpoints_is_refused_before_a
         assert str(e.value) == (f"export: OUT_DIR '{out}' is inside the run's checkpoint folder {run / 'checkpoints'}, "
                                 f"whose every entry is read as a checkpoint step; name a folder outside it")
     assert sorted(p.name for p in run.rglob("*")) == ["5", "checkpoints", "config.yaml"]  # nothing written
+
+
+def test_an_export_into_a_folder_of_weights_it_did_not_write_is_refused(tmp_path):
+    from safetensors.numpy import save_file
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("model: {}\n")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    for i in (1, 2):
+        save_file({"w": np.ones(2, np.float32)}, str(mine / f"model-0000{i}-of-00002.safetensors"))
+    (mine / "model.safetensors.index.json").write_text("{}")
+    before = {p.name: p.read_bytes() for p in mine.iterdir()}
+    with pytest.raises(ConfigError) as e:
+        hf.export(run, mine)
+    assert str(e.value) == (f"export: OUT_DIR '{mine}' holds model-00001-of-00002.safetensors, "
+                            f"model-00002-of-00002.safetensors, model.safetensors.index.json, not written by a "
+                            f"jaxtrain export, which this export would replace or delete; nothing was written "
+                            f"(name another folder, or move them)")
+    assert {p.name: p.read_bytes() for p in mine.iterdir()} == before
+    ours = tmp_path / "ours"  # an earlier export's files: replaced as documented (no error before the work)
+    ours.mkdir()
+    save_file({"w": np.ones(2, np.float32)}, str(ours / "model.safetensors"), metadata={"jaxtrain_step": "3"})
+    hf_files.check_no_foreign_weights(ours)
 
 
 def test_report_names_an_unknown_image_type_and_a_broken_run_config(tmp_path):

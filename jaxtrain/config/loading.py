@@ -41,9 +41,15 @@ def _check_keys(tree: Any, model_cls: type[BaseModel], prefix: str = "") -> None
             hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(valid)}"
             if model_cls is CustomModelConfig:  # a custom model's own settings have a place of their own
                 hint = f"; a custom model's settings go under {prefix}options (e.g. {prefix}options.{key})"
+            elif isinstance(key, str) and key.split(".")[0] in fields:  # 'train.steps: 5' in a file
+                head, rest = key.split(".", 1)
+                hint = (f"; dotted keys are for key=value overrides: in a YAML file, nest it ('{head}:' with "
+                        f"'{rest}:' indented below it)")
             raise ConfigError(f"unknown config key '{dotted}'{hint}")
         sub = _section_class(fields[key].annotation, value)
         if isinstance(sub, type) and issubclass(sub, BaseModel):
+            if value is None:  # a section whose keys are all commented out: its defaults
+                tree[key] = value = {}
             _check_keys(value, sub, dotted + ".")
 
 
@@ -86,7 +92,9 @@ def parse_override(item: str, family: str = DEFAULT_FAMILY) -> tuple[list[str], 
         return path, raw
     try:
         value = yaml.load(raw, Loader=UniqueKeyLoader) if raw != "" else ""
-    except yaml.YAMLError:
+    except yaml.YAMLError as err:  # not YAML: the text itself (a string field's type check names it)
+        if (getattr(err, "problem", None) or "").startswith("duplicate key"):
+            raise ConfigError(f"override '{item}': {err.problem}") from None
         value = raw
     if isinstance(value, str) and float in (annotation, *typing.get_args(annotation)):
         try:
@@ -96,10 +104,19 @@ def parse_override(item: str, family: str = DEFAULT_FAMILY) -> tuple[list[str], 
     return path, value
 
 
-def _set(tree: dict, path: list[str], value: Any) -> None:
+def _set(tree: dict, path: list[str], value: Any, family: str = DEFAULT_FAMILY) -> None:
+    """Sets ``path`` in ``tree``; a mapping given for a whole section (``'train={steps: 5}'``) is merged
+    into it key by key, as dotted overrides would be (not put in place of the file's section)."""
+    section = _annotation(path, family)
+    if isinstance(value, dict) and isinstance(section, type) and issubclass(section, BaseModel):
+        for key, sub in value.items():
+            _set(tree, [*path, str(key)], sub, family)
+        return
     node = tree
     for part in path[:-1]:
-        node = node.setdefault(part, {})
+        if node.get(part) is None:  # absent, or an empty section in the file (its keys commented out)
+            node[part] = {}
+        node = node[part]
         if not isinstance(node, dict):
             raise ConfigError(f"override '{'.'.join(path)}': '{part}' is not a section")
     node[path[-1]] = value
@@ -125,6 +142,9 @@ def yaml_error(where: str, err: yaml.YAMLError) -> str:
     mark, problem = getattr(err, "problem_mark", None), getattr(err, "problem", None)
     if mark is None or not problem:
         return f"{where}: invalid YAML: " + " ".join(str(err).split())
+    context = getattr(err, "context", None)
+    if context and problem.startswith("but "):  # 'but found another document': half a sentence alone
+        problem = f"{context}, {problem}"
     return f"{where}, line {mark.line + 1}, column {mark.column + 1}: invalid YAML: {problem}"
 
 
@@ -169,7 +189,7 @@ def load(path: Optional[str] = None, overrides: list[str] | tuple[str, ...] = ()
             family = item.split("=", 1)[1]
     for item in overrides:
         key, value = parse_override(item, family)
-        _set(tree, key, value)
+        _set(tree, key, value, family)
     return from_dict(tree)
 
 
@@ -179,6 +199,8 @@ class UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # '<<: *defaults': merged by SafeLoader below
+                continue
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise yaml.constructor.ConstructorError(

@@ -175,6 +175,47 @@ def test_an_empty_config_file_is_an_error_not_the_default_job(tmp_path, text):
     assert cfglib.load(str(f)) == cfglib.load(None)
 
 
+def test_a_mapping_for_a_whole_section_merges_into_it():
+    """'train={log_every: 1}' sets one key; the file's other train keys (and earlier overrides) stay,
+    as with train.log_every=1. A mapping-valued key (data.mixture) is still replaced whole."""
+    file = cfglib.load("shakespeare_char")
+    cfg = cfglib.load("shakespeare_char", ["train.steps=4", "train={log_every: 1}", "model={d_model: 64}"])
+    assert (cfg.train.steps, cfg.train.log_every, cfg.train.global_batch) == (4, 1, file.train.global_batch)
+    assert (cfg.model.d_model, cfg.model.n_layers) == (64, file.model.n_layers)
+    assert cfg == cfglib.load("shakespeare_char", ["train.steps=4", "train.log_every=1", "model.d_model=64"])
+    mixed = cfglib.load(None, ["data.mode=packed", "data.mixture={a.txt: 1}", "data.mixture={b.txt: 2}"])
+    assert mixed.data.mixture == {"b.txt": 2}
+
+
+@pytest.mark.parametrize("override, key", [
+    ("sharding.extra_rules={embed: [null], embed: [fsdp]}", "embed"),
+    ("data.mixture={a.txt: 1, a.txt: 2}", "a.txt"),
+    ("train={steps: 3, steps: 4}", "steps"),
+])
+def test_a_key_given_twice_in_an_override_value_is_named(override, key):
+    with pytest.raises(ConfigError) as err:
+        cfglib.load(None, [override])
+    assert str(err.value) == f"override '{override}': duplicate key '{key}' (YAML alone would silently keep the last)"
+
+
+def test_yaml_files_may_use_merge_keys_empty_sections_but_not_dotted_keys(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("train:\n  <<: &base {steps: 7, log_every: 1}\n  steps: 5\nmodel:\n#  d_model: 64\n")
+    cfg = cfglib.load(str(f), ["model.n_layers=2"])
+    assert (cfg.train.steps, cfg.train.log_every, cfg.model.n_layers) == (5, 1, 2)
+    assert cfglib.load(str(f)).model == cfglib.load(None).model  # 'model:' with its keys commented out
+    f.write_text("train.steps: 2\n")
+    with pytest.raises(ConfigError) as err:
+        cfglib.load(str(f))
+    assert str(err.value) == ("unknown config key 'train.steps'; dotted keys are for key=value overrides: in a "
+                              "YAML file, nest it ('train:' with 'steps:' indented below it)")
+    f.write_text("train:\n  steps: 2\n---\ntrain:\n  steps: 3\n")
+    with pytest.raises(ConfigError) as err:
+        cfglib.load(str(f))
+    assert str(err.value) == (f"config file {f}, line 3, column 1: invalid YAML: expected a single document in "
+                              f"the stream, but found another document")
+
+
 def test_overrides_may_precede_config():
     assert parsed(["train.steps=3", "--config", "c.yaml", "run.dir=x"]) == ("c.yaml", ["train.steps=3", "run.dir=x"])
 

@@ -24,17 +24,26 @@ def switch(name: str, default: bool, on: str, off: str, env: os._Environ | dict 
 
 
 def cache_folder_usable(path: Path, what: str) -> bool:
-    """Whether ``path`` is a folder, or could be made one: no file is in the way, at it or above it.
+    """Whether ``path`` is a folder this process can write, made now if it is missing.
 
-    A cache is an optimisation, so a file in the way is not an error: one warning naming ``what``
-    (e.g. ``JAX_COMPILATION_CACHE_DIR=/x``) goes to the ``jaxtrain`` logger, and the caller runs
-    without that cache rather than failing on each entry.
+    A cache is an optimisation, so a folder it cannot have is not an error: one warning naming ``what``
+    (e.g. ``JAX_COMPILATION_CACHE_DIR=/x``) and the reason goes to the ``jaxtrain`` logger, and the
+    caller runs without that cache rather than failing on each entry.
     """
+    problem = ""
     for p in (path, *path.parents):
+        if p.exists() and not p.is_dir():
+            problem = f"'{p}' is a file, not a folder"
+            break
         if p.exists():
-            if p.is_dir():
-                return True
-            logging.getLogger("jaxtrain").warning(
-                f"warning: {what}: '{p}' is a file, not a folder, so that cache is off for this run")
-            return False
-    return True
+            break
+    if not problem:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            if not os.access(path, os.W_OK | os.X_OK):
+                problem = f"'{path}' is not writable"
+        except OSError as err:
+            problem = f"'{path}' cannot be made ({err.strerror or err})"
+    if problem:
+        logging.getLogger("jaxtrain").warning(f"warning: {what}: {problem}, so that cache is off for this run")
+    return not problem

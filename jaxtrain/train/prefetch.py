@@ -85,7 +85,8 @@ def _start(cfg: Any) -> bool:
     recorded = _readable(path)
     with _lock:
         # This run's reads replace the list as they come: the next run prefetches what this one read.
-        _state.update(path=path, recorded=[], entries=[], futures={e["key"]: Future() for e in recorded})
+        _state.update(path=path, recorded=[], entries=[], futures={e["key"]: Future() for e in recorded},
+                      record_failed=False)
         if _state["original"] is None:
             _state["original"] = compiler._cache_read
             compiler._cache_read = _cache_read
@@ -172,5 +173,8 @@ def _record(cache_key: str, compile_options: Any, executable_devices: Any, prefe
             tmp = path.with_name(f".{path.name}.{os.getpid()}")
             tmp.write_text(json.dumps({"entries": entries}))
             os.replace(tmp, path)
-        except OSError as err:
-            log.debug("recording the prefetch list failed: %s", err)
+        except OSError as err:  # said once: only the next run's prefetch is lost
+            if not _state.get("record_failed"):
+                _state["record_failed"] = True
+                log.warning(f"warning: jaxtrain's program cache: recording what to prefetch in {path} failed "
+                            f"({err.strerror or err}); the next run reads its programs as JAX does")

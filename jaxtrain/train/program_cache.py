@@ -339,6 +339,7 @@ def _traced_lines():
 
 
 _said: set = set()  # the stored lines said by this process, each once
+_store_failed: list = []  # a failed store was reported (once per process)
 
 
 def _say(lines: Any) -> None:
@@ -360,8 +361,11 @@ def _store(entry: Path, name: str, exp: Any, out: Any, refs: dict, lines: list) 
             tmp.write_bytes(data)
             os.replace(tmp, entry / f"{name}{suffix}")
         _prune(entry.parent)
-    except OSError as err:
-        log.debug("storing the exported %s failed: %s", name, err)
+    except OSError as err:  # a full disk, a file in the entry's place: said once, the run goes on
+        if not _store_failed:
+            _store_failed.append(name)
+            log.warning(f"warning: jaxtrain's program cache: storing the traced {name} in {entry} failed "
+                        f"({err.strerror or err}); later runs trace it again")
 
 
 def _load(entry: Path, name: str, leaves: list, refs: dict):

@@ -196,9 +196,15 @@ def test_a_file_where_a_cache_folder_must_be_turns_that_cache_off_with_one_warni
             f"so that cache is off for this run",
             f"warning: {program_cache.DIR_VAR}={tmp_path / 'f' / 'programs'}: '{tmp_path / 'f'}' is a file, not a "
             f"folder, so that cache is off for this run"]
+        (tmp_path / "dangling").symlink_to(tmp_path / "nowhere" / "x")
+        env = {program_cache.DIR_VAR: str(tmp_path / "dangling")}  # a folder that cannot be made
+        lines.clear()
+        assert program_cache.enable(env) is False and lines == [
+            f"warning: {program_cache.DIR_VAR}={tmp_path / 'dangling'}: '{tmp_path / 'dangling'}' cannot be made "
+            f"(File exists), so that cache is off for this run"]
         env = {program_cache.DIR_VAR: str(tmp_path / "new" / "programs")}  # nothing in the way: on, no warning
         lines.clear()
-        assert program_cache.enable(env) is True and lines == []
+        assert program_cache.enable(env) is True and lines == [] and (tmp_path / "new" / "programs").is_dir()
     finally:
         program_cache.disable()
         for k, v in saved.items():

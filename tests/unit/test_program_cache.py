@@ -142,6 +142,21 @@ def test_a_loaded_program_says_the_lines_its_tracing_printed(small_cfg, cache, m
         log.setLevel(level)
 
 
+def test_a_failed_store_is_said_once_and_the_run_goes_on(small_cfg, cache, monkeypatch):
+    import logging
+    lines: list = []
+    handler = logging.Handler()
+    handler.emit = lambda r: lines.append(r.getMessage())
+    monkeypatch.setattr(logging.getLogger("jaxtrain"), "handlers", [handler])
+    monkeypatch.setattr(program_cache, "_store_failed", [])
+    s = _setup(small_cfg)
+    s._program_key = program_cache.key(s)
+    (cache / s._program_key).write_text("a file where the entry's folder goes")
+    assert _evaluation(s, 2).loaded is False and _evaluation(s, 2).loaded is False  # compiled all the same
+    assert lines == [f"warning: jaxtrain's program cache: storing the traced evaluate in {cache / s._program_key} "
+                     f"failed (File exists); later runs trace it again"]
+
+
 def test_an_entry_for_other_shapes_is_not_used(small_cfg, cache):
     s = _setup(small_cfg)
     assert _evaluation(s, 2).loaded is False

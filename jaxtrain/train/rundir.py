@@ -141,8 +141,8 @@ def resume_changes(cfg: Config, run_dir: Path, vocab: Optional[int] = None) -> t
     layout = {f"model.{k}" for k in cfg.model.layout_keys} or {k for k in new if k.startswith("model.")}
     layout.add("model.family")
     shape_keys = [f"{k}: checkpoint has {saved[k]!r}, config has {new[k]!r}" for k in changed if k in layout]
-    notes = [f"{k} changed from {saved[k]!r} to {new[k]!r}" for k in changed
-             if k in STREAM_KEYS or (k.startswith("optimizer.") and k != "optimizer.decay_steps")
+    notes = [f"{k} changed from {_shown(k, saved, same_saved)} to {_shown(k, new, same_new)}{_keep(k, saved, new)}"
+             for k in changed if k in STREAM_KEYS or (k.startswith("optimizer.") and k != "optimizer.decay_steps")
              or (k.startswith("model.") and k not in layout)]  # e.g. top_k, dtype, remat: allowed, but said
     old_horizon = saved.get("optimizer.decay_steps") or saved.get("train.steps")
     if old_horizon and old_horizon != cfg.decay_steps:
@@ -150,6 +150,23 @@ def resume_changes(cfg: Config, run_dir: Path, vocab: Optional[int] = None) -> t
                 if old_horizon > cfg.optimizer.warmup_steps else "")
         notes.append(f"the LR schedule now decays over {cfg.decay_steps} steps (was {old_horizon}){keep}")
     return shape_keys, notes
+
+
+_UNSET_MEANS = {"model.vocab_size": "the tokenizer's", "model.max_positions": "data.seq_len"}
+
+
+def _shown(key: str, flat: dict[str, Any], resolved: dict[str, Any]) -> str:
+    """A value as a note shows it: an unset model key with what it stands for ('None (data.seq_len: 32)')."""
+    if key in _UNSET_MEANS and flat[key] != resolved[key] and resolved[key] is not None:
+        return f"{flat[key]!r} ({_UNSET_MEANS[key]}: {resolved[key]!r})"
+    return repr(flat[key])
+
+
+def _keep(key: str, saved: dict[str, Any], new: dict[str, Any]) -> str:
+    """For a key set before and unset now (an HF import's max_positions), how to keep the old value."""
+    if key in _UNSET_MEANS and new[key] in (None, 0) and saved[key] not in (None, 0):
+        return f"; set {key}={saved[key]} to keep it"
+    return ""
 
 
 def _resolved(flat: dict[str, Any], vocab: Optional[int]) -> dict[str, Any]:

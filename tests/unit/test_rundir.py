@@ -102,6 +102,9 @@ def test_resume_notes_treat_unset_model_keys_as_what_they_stand_for(small_cfg):
     seq = small_cfg().data.seq_len
     assert shape_keys == ["model.vocab_size: checkpoint has 66, config has 0"]
     assert notes == [f"model.max_positions changed from {seq} to 2048"]
+    shape_keys, notes = rundir.resume_changes(small_cfg(f"data.seq_len={seq // 2}"), Path(cfg.run.dir), vocab=66)
+    assert notes == [f"model.max_positions changed from {seq} to None (data.seq_len: {seq // 2}); set "
+                     f"model.max_positions={seq} to keep it", f"data.seq_len changed from {seq} to {seq // 2}"]
 
 
 def test_the_jitted_sampler_equals_a_token_by_token_loop_with_a_sliding_window():

@@ -238,5 +238,6 @@ def resolve_resource(name: str, folder: str, key: str) -> Path:
         if (root / stem).is_file():
             return root / stem
     known = sorted({p.stem for r in roots if r.is_dir() for p in r.glob("*.yaml")})
-    raise ConfigError(f"{key}: {folder} file '{name}' not found (not a file; known names: "
+    what = "a folder, not a YAML file" if candidate.is_dir() else "no such file"
+    raise ConfigError(f"{key}: '{name}' is {what}, and no name in {folder}/ (known names: "
                       f"{', '.join(known) or 'none'})")

@@ -83,7 +83,7 @@ def test_bad_input_is_a_named_error(capsys, args, message):
 def test_cli_bad_config_exits_2_and_submits_nothing(tmp_path):
     done = launch_cli("slurm", "--config", str(tmp_path / "missing.yaml"), env={"PATH": "/nonexistent"})
     assert (done.returncode, done.stdout) == (2, "")
-    assert done.stderr.startswith(f"error: --config: configs file '{tmp_path / 'missing.yaml'}' not found")
+    assert done.stderr.startswith(f"error: --config: '{tmp_path / 'missing.yaml'}' is no such file, and no name in ")
 
 
 def test_no_sbatch_is_a_named_error(capsys, monkeypatch):

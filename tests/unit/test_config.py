@@ -60,9 +60,13 @@ def test_override_without_equals():
         cfglib.load(None, ["train.steps"])
 
 
-def test_missing_config_file():
-    with pytest.raises(ConfigError, match="^--config: configs file 'nope.yaml' not found"):
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError) as err:
         cfglib.load("nope.yaml")
+    assert str(err.value) == ("--config: 'nope.yaml' is no such file, and no name in configs/ (known names: "
+                              "digits_mlp, llama_1b_h200, llama_25m, moe_shakespeare, shakespeare_char)")
+    with pytest.raises(ConfigError, match=rf"^--config: '{tmp_path}' is a folder, not a YAML file, and no name in "):
+        cfglib.load(str(tmp_path))
 
 
 def test_inconsistent_heads():

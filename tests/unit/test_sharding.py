@@ -79,7 +79,7 @@ def test_rules_file_with_unknown_mesh_axis(tmp_path):
 
 
 def test_rules_file_not_found():
-    with pytest.raises(ConfigError, match="^sharding.rules: sharding_rules file 'nope' not found"):
+    with pytest.raises(ConfigError, match="^sharding.rules: 'nope' is no such file, and no name in sharding_rules/ "):
         Rules.load("nope")
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import re
 import sys
 from dataclasses import dataclass, field
@@ -145,6 +146,51 @@ def check_job(job: Job, processes: int) -> None:
                           f"one checkpoint together; set checkpoint.dir=gs://BUCKET/PATH (or s3://)")
 
 
+def job_devices(target: str, job: Job, args: argparse.Namespace) -> tuple[int, int, str]:
+    """(processes, devices per process, platform) of the job the flags ask for: one process per node but
+    SLURM's ``--ntasks-per-node``; a CPU process has one device unless ``--env XLA_FLAGS`` forces more."""
+    processes = job.nodes * getattr(args, "ntasks_per_node", 1)
+    per = {"slurm": getattr(args, "gpus_per_task", 0), "ray": getattr(args, "gpus_per_worker", 0)}.get(target)
+    kind = "gpu"
+    if target in ("gke", "vertex"):
+        per = accelerator_count(args)
+        kind = "tpu" if (args.accelerator or "").lower().startswith("tpu") else "gpu"
+    elif target in ("kubeflow", "volcano"):  # --gpus, or the device plugins' resources by hand
+        from jaxtrain.launch.k8s import resources
+        res = resources(args)
+        tpus, gpus = res.get("google.com/tpu"), res.get("nvidia.com/gpu")
+        per, kind = (tpus, "tpu") if isinstance(tpus, int) else (gpus if isinstance(gpus, int) else 0, "gpu")
+    if per:
+        return processes, per, kind
+    forced = re.search(r"--xla_force_host_platform_device_count=(\d+)", job.env.get("XLA_FLAGS", ""))
+    return processes, int(forced.group(1)) if forced else 1, "cpu"
+
+
+def check_mesh(job: Job, processes: int, per_process: int, platform: str) -> None:
+    """The checks ``jaxtrain.train`` makes once its devices are up, made here for the job's devices, so
+    that a mesh that cannot fit is refused before the job waits in a queue: the axis sizes against
+    the device count, the batch and model against the axis sizes, and (GPU, CPU: each process is a
+    node) ``mesh.across_nodes`` against the process count.
+
+    Raises:
+      LaunchError, ConfigError: naming the key, and the job's devices.
+    """
+    from jaxtrain.config.checks import check_against_mesh
+    from jaxtrain.errors import ConfigError
+    from jaxtrain.parallel.mesh import resolve_sizes
+    cfg, devices = job.cfg, processes * per_process
+    what = f"the job has {processes} process{'es' if processes > 1 else ''} x {per_process} {platform.upper()} " \
+           f"device{'s' if per_process > 1 else ''} = {devices}"
+    across = dict(cfg.mesh.across_nodes or {})
+    if across and platform != "tpu" and math.prod(across.values()) != processes:
+        raise LaunchError(f"mesh.across_nodes: {across} spans {math.prod(across.values())} nodes, but {what} "
+                          f"(each process is a node); the axes across nodes must multiply to {processes}")
+    try:
+        check_against_mesh(cfg, resolve_sizes(cfg.mesh, devices), platform)
+    except ConfigError as err:
+        raise type(err)(f"{err} ({what})") from None
+
+
 def default_name(config: str) -> str:
     """``jaxtrain-<config stem>``, lower case with dashes (a valid Kubernetes name for ordinary stems)."""
     stem = re.sub(r"[^a-z0-9]+", "-", Path(config).stem.lower()).strip("-")
@@ -199,7 +245,9 @@ def run(argv: Sequence[str], prog: str) -> int:
               overrides=list(args.overrides), nodes=args.nodes, name=args.name or default_name(args.config),
               env=parse_env(args.env))
     spec = module.build(job, args)  # the target's own flag checks first
-    check_job(job, job.nodes * getattr(args, "ntasks_per_node", 1))
+    processes, per_process, platform = job_devices(target, job, args)
+    check_job(job, processes)
+    check_mesh(job, processes, per_process, platform)
     for message in module.notes(job, args):
         note(message)
     if args.dry_run:

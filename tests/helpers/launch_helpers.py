@@ -17,9 +17,8 @@ import portpicker
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED = Path(os.environ.get("JAXTRAIN_SHARED", REPO.parent / "shared"))
-# By name: found in configs/ from any working directory (and in an installed jaxtrain's package data).
-# It loads without its data: the config checks never open data.path.
-CONFIG = "shakespeare_char"
+# A path from any working directory; it loads without its data (the config checks never open data.path).
+CONFIG = str(Path(__file__).with_name("shakespeare_char.yaml"))
 
 
 def launch(capsys, *argv: str) -> tuple[int, str, str]:

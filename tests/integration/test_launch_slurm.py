@@ -52,6 +52,28 @@ def test_cpu_script_has_no_gpu_line(capsys, tmp_path):
     assert out.splitlines()[-1] == f"srun --kill-on-bad-exit=1 python -m jaxtrain.train --config {CONFIG}"
 
 
+GPUS = ["--nodes", "2", "--ntasks-per-node", "4", "--gpus-per-task", "1"]
+JOB = "(the job has 8 processes x 1 GPU device = 8)"
+
+
+@pytest.mark.parametrize("flags, error", [
+    ([*GPUS, "mesh.data=2", "mesh.fsdp=2"], "mesh: the axis sizes multiply to 4 but there are 8 devices (data=2, "
+     f"fsdp=2, tensor=1, sequence=1, expert=1, stage=1) {JOB}"),
+    ([*GPUS, "train.global_batch=12"], "train.global_batch: micro-batch 12 (global_batch 12 / grad_accum 1) is not "
+     f"divisible by data*fsdp*expert = 8*1*1 = 8 {JOB}"),
+    ([*GPUS, "mesh.across_nodes={data: 2}"], "mesh.across_nodes: {'data': 2} spans 2 nodes, but the job has 8 "
+     "processes x 1 GPU device = 8 (each process is a node); the axes across nodes must multiply to 8"),
+    (["--nodes", "2", "--env", "XLA_FLAGS=--xla_force_host_platform_device_count=4", "mesh.data=-1",
+      "mesh.tensor=3"], "mesh.data: cannot fill -1: 8 devices are not divisible by the product 3 of the other axes "
+     "(data=-1, fsdp=1, tensor=3, sequence=1, expert=1, stage=1) (the job has 2 processes x 4 CPU devices = 8)"),
+])
+def test_a_mesh_the_job_cannot_hold_is_refused_before_the_script(capsys, tmp_path, flags, error):
+    """The checks jaxtrain.train makes once its devices are up, made for the job's devices: such a job
+    would otherwise wait in the queue only to fail at its start."""
+    code, out, err = launch(capsys, "slurm", "--config", CONFIG, "--chdir", str(tmp_path), "--dry-run", *flags)
+    assert (code, out, err) == (2, "", f"error: {error}\n")
+
+
 def test_relative_config_file_becomes_absolute(capsys, monkeypatch, tmp_path):
     """The job starts in --chdir: a relative config file is passed by its absolute path (a shared filesystem)."""
     monkeypatch.chdir(REPO)

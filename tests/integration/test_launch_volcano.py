@@ -153,3 +153,12 @@ def test_submit_failure_is_a_short_named_error(capsys):
     assert (code, out) == (1, "")
     assert err == (f"error: the Kubernetes API refused Job default/{NAME}: HTTP 404 Not Found: the server could not "
                    f"find the requested resource (is Volcano installed in the cluster?)\n")
+
+
+def test_the_device_plugins_resources_count_as_the_jobs_devices(capsys):
+    """--resource google.com/tpu=4 on 2 pods is 8 TPU devices, which a micro-batch of 12 cannot split."""
+    code, out, err = launch(capsys, *BASE, "--dry-run", *VARIANTS["tpu"], "checkpoint.dir=gs://b/c",
+                            "train.global_batch=12")
+    assert (code, out) == (2, "")
+    assert err == ("error: train.global_batch: micro-batch 12 (global_batch 12 / grad_accum 1) is not divisible by "
+                   "data*fsdp*expert = 8*1*1 = 8 (the job has 2 processes x 4 TPU devices = 8)\n")

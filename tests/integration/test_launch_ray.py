@@ -113,7 +113,7 @@ def _command(cluster, tmp_path, corpus: str, name: str) -> list[str]:
             "--max-failures", "2", "--name", name, "--storage-path", str(tmp_path / "ray"), "--chdir", str(REPO),
             "--env", "JAX_PLATFORMS=cpu", "--env", f"XLA_FLAGS={xla_test_flags.with_devices(2)}",
             "--env", f"JAX_COMPILATION_CACHE_DIR={os.environ.get('JAX_COMPILATION_CACHE_DIR', REPO / '.jax_cache')}",
-            "--config", CONFIG,
+            "--config", "shakespeare_char",  # trained for real: the shipped config's batch, not the dry runs' job
             f"data.path={corpus}", f"run.dir={tmp_path / 'run'}", *TRAIN]
 
 

@@ -123,6 +123,24 @@ class _Progress:
             self.bar.stop()
 
 
+def check_out(out: str) -> None:
+    """A local ``--out`` must be a folder that is new, empty or an earlier cache (it has ``cache.json``):
+    the cache's files would otherwise be mixed into a folder of other files.
+
+    Raises:
+      ConfigError: naming the folder (or the file in its way).
+    """
+    if sources.is_remote(out):
+        return
+    from jaxtrain.config.paths import check_folder
+    from jaxtrain.errors import ConfigError
+    check_folder("--out", out)
+    folder = Path(out).expanduser()
+    if folder.is_dir() and any(folder.iterdir()) and not (folder / store.CACHE_META).is_file():
+        raise ConfigError(f"--out: '{out}' holds other files and is not a token cache (no cache.json); name a new "
+                          f"or empty folder")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog=prog("jaxtrain.data.prepare"),
                                      description="Tokenize data.path once into an ArrayRecord token cache.")
@@ -137,6 +155,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from jaxtrain.config import load
         from jaxtrain.config.paths import REMOTE, normalize
         out = normalize("--out", args.out, REMOTE)
+        check_out(out)  # before any tokenizing
         # The mode does not matter to a cache; packed lets BOS/EOS options validate.
         cfg = load(args.config, ["data.mode=packed", *args.overrides])
         meta = prepare(cfg, out, args.docs_per_shard, not args.no_progress)

@@ -1,5 +1,7 @@
 """Path keys: file:// is a local path; an unsupported storage scheme is a named error (exit 2)
 before anything is built, for every path key."""
+import os
+
 import pytest
 
 from jaxtrain.cli import train as train_cli
@@ -69,3 +71,22 @@ def test_prepare_out_takes_the_same_schemes(tmp_path, capsys):
     assert prepare.main(["--out", "hdfs://nn/cache", f"data.path={tmp_path}/x.txt"]) == 2
     assert capsys.readouterr().err == ("error: --out: unsupported storage scheme 'hdfs://' in 'hdfs://nn/cache'; "
                                        f"--out {REMOTE_OK}\n")
+
+
+def test_prepare_out_is_a_new_empty_or_cache_folder(tmp_path, capsys):
+    """A file in the way was a traceback (exit 1); a folder of other files got the cache mixed in."""
+    from jaxtrain.data import prepare
+    text = tmp_path / "x.txt"
+    text.write_text("hello world\n" * 50)
+    (tmp_path / "victim.txt").write_text("keep me")
+    assert prepare.main(["--out", str(tmp_path / "victim.txt"), f"data.path={text}", "--no-progress"]) == 2
+    assert capsys.readouterr().err == f"error: --out: '{tmp_path / 'victim.txt'}' exists and is not a directory\n"
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.md").write_text("mine")
+    assert prepare.main(["--out", str(tmp_path / "mine"), f"data.path={text}", "--no-progress"]) == 2
+    assert capsys.readouterr().err == (f"error: --out: '{tmp_path / 'mine'}' holds other files and is not a token "
+                                       f"cache (no cache.json); name a new or empty folder\n")
+    assert (tmp_path / "victim.txt").read_text() == "keep me" and os.listdir(tmp_path / "mine") == ["notes.md"]
+    for _ in range(2):  # a new folder, then the same cache again
+        assert prepare.main(["--out", str(tmp_path / "cache"), f"data.path={text}", "--no-progress"]) == 0
+    assert (tmp_path / "cache" / "cache.json").is_file()

@@ -30,7 +30,7 @@ def load(run_dir: Path) -> tuple[list[dict], list[dict], str, int]:
     """(train rows, eval rows, unit, units per step) of a run directory.
 
     Raises:
-      ConfigError: not a run directory with metrics (no config.yaml or metrics.jsonl).
+      ConfigError: not a run directory with metrics (no config.yaml or metrics.jsonl), or no train row.
     """
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file() or not (run_dir / "metrics.jsonl").is_file():
@@ -43,6 +43,8 @@ def load(run_dir: Path) -> tuple[list[dict], list[dict], str, int]:
                           f"{err})") from None
     rows = read_metrics(run_dir)
     train = [r for r in rows if "step_time_s" in r]
+    if not train:  # six empty panels would say nothing
+        raise ConfigError(f"report: {run_dir / 'metrics.jsonl'} has no train rows yet (the run logged no step)")
     unit = "examples" if any("examples_per_sec" in r for r in train) else "tokens"
     per_step = per_example[1] * (per_example[0] if unit == "tokens" else 1)
     return train, [r for r in rows if "val_loss" in r], unit, per_step

@@ -48,6 +48,11 @@ def test_report_overlays_runs_in_six_panels(two_runs, tmp_path, capsys):
     assert report_cli.main([str(tmp_path), "-o", str(out)]) == 2
     assert capsys.readouterr().err == (f"error: report: '{tmp_path}' is not a run directory with metrics "
                                        f"(config.yaml, metrics.jsonl)\n")
+    (two_runs[0] / "metrics.jsonl").write_text("")  # started, no step logged yet: nothing to plot
+    assert report_cli.main([*map(str, two_runs), "-o", str(tmp_path / "e.png")]) == 2
+    assert capsys.readouterr().err == (f"error: report: {two_runs[0] / 'metrics.jsonl'} has no train rows yet (the "
+                                       f"run logged no step)\n")
+    assert not (tmp_path / "e.png").exists()
 
 
 def test_progress_bar_shows_loss_throughput_and_mfu_on_a_terminal_only():

@@ -141,6 +141,9 @@ def _check_data(cfg: "Config") -> None:
             raise ConfigError(f"data.mixture: weight of '{key}' must be > 0, got {w}")
     if d.tokenizer in ("hf", "sentencepiece") and not d.tokenizer_path:
         raise ConfigError(f"data.tokenizer_path: data.tokenizer={d.tokenizer} needs a local tokenizer file")
+    if d.tokenizer in ("byte", "char") and d.tokenizer_path:  # set, but it would be silently unused
+        raise ConfigError(f"data.tokenizer_path: '{d.tokenizer_path}' is not read by data.tokenizer={d.tokenizer}; "
+                          f"set data.tokenizer=hf (tokenizer.json) or sentencepiece (.model), or leave the path out")
     if (d.add_bos or d.add_eos) and d.mode == "windows":
         raise ConfigError("data.add_bos: BOS/EOS are added per document: use data.mode=packed or padded")
 

@@ -7,6 +7,7 @@ JSONL, Parquet, ArrayRecord or a token cache made by ``jaxtrain.data.prepare``.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -68,6 +69,25 @@ def load(cfg: Config, saved: Optional[dict] = None) -> Data:
         return Data(corpus.tokenizer, packing.from_windows(val), make, info)
 
     specs = dict(d.mixture) if d.mixture else {d.path: None}
+    with _mixture_entries(d.mixture):
+        return _load_documents(cfg, specs, saved)
+
+
+@contextlib.contextmanager
+def _mixture_entries(mixture: dict):
+    """A source's error in a mixture names ``data.mixture``, the key that gave the source."""
+    try:
+        yield
+    except DataError as err:
+        text = str(err)
+        if not mixture or not text.startswith("data.path: "):
+            raise
+        raise DataError("data.mixture: " + text[len("data.path: "):]) from None
+
+
+def _load_documents(cfg: Config, specs: dict, saved: Optional[dict]) -> Data:
+    """The document modes (packed, padded) of :func:`load`: ``specs`` is ``{path: weight or None}``."""
+    d, t = cfg.data, cfg.train
     caches = {p: store.is_cache(p) for p in specs}
     raw = {p: sources.open_source(p, d.format, d.text_field, d.separator) for p in specs if not caches[p]}
     keep_bytes = d.tokenizer == "byte"
@@ -103,7 +123,10 @@ def load(cfg: Config, saved: Optional[dict] = None) -> Data:
 
     def make(sharding):
         return pipeline.DocBatchIterator(sched, t.global_batch, t.grad_accum, sharding, d.prefetch)
-    return Data(tok, val, make, [pipeline.describe(sched, stats)], sched, bos)
+    info = [pipeline.describe(sched, stats)]
+    if d.mixture and d.path != type(d).model_fields["path"].default:  # both given: say which one is read
+        info.append(f"[yellow]note:[/] data.mixture replaces data.path: '{d.path}' is not read")
+    return Data(tok, val, make, info, sched, bos)
 
 
 def vocab_size(cfg: Config) -> int:

@@ -168,9 +168,10 @@ def val_rows(parts: list, seq_len: int, mode: str, micro: int, n_batches: int,
 def split(n_docs: int, val_fraction: float, name: str) -> tuple[np.ndarray, np.ndarray]:
     """(train ids, val ids): the last ``val_fraction`` of the documents (at least one) are held out."""
     n_val = max(1, int(round(n_docs * val_fraction)))
-    if n_docs - n_val < 1:
+    if n_docs - n_val < 1:  # a plain text file is one document unless data.separator splits it
         raise DataError(f"data.path: '{name}' has {n_docs} usable document(s): too few to hold out "
-                        f"a validation split (data.val_fraction={val_fraction})")
+                        f"a validation split (data.val_fraction={val_fraction}; a text file is one document "
+                        f"unless data.separator splits it)")
     return np.arange(n_docs - n_val), np.arange(n_docs - n_val, n_docs)
 
 

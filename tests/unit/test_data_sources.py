@@ -203,3 +203,26 @@ def test_document_options_are_checked_before_loading():
         cfg_of("data.mixture={a.jsonl: 0}")
     with pytest.raises(cfglib.ConfigError, match="data.tokenizer_path: data.tokenizer=hf needs a local tokenizer"):
         cfg_of("data.tokenizer=hf")
+    for tok in ("byte", "char"):  # a path the tokenizer would not read
+        with pytest.raises(cfglib.ConfigError) as err:
+            cfg_of(f"data.tokenizer={tok}", "data.tokenizer_path=tokenizer.json")
+        assert str(err.value) == (f"data.tokenizer_path: 'tokenizer.json' is not read by data.tokenizer={tok}; "
+                                  f"set data.tokenizer=hf (tokenizer.json) or sentencepiece (.model), or leave the "
+                                  f"path out")
+
+
+def test_a_mixture_source_s_error_names_data_mixture_and_data_path_beside_it_is_noted(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", [{"text": f"alpha {i} " * 4} for i in range(30)])
+    one = tmp_path / "one.txt"
+    one.write_text("a single document " * 20)
+    with pytest.raises(DataError) as err:
+        datalib.load(cfg_of(f"data.mixture={{{a}: 3, {tmp_path}/zzz.txt: 1}}"))
+    assert str(err.value) == f"data.mixture: no file matches '{tmp_path}/zzz.txt'"
+    with pytest.raises(DataError) as err:
+        datalib.load(cfg_of(f"data.mixture={{{a}: 3, {one}: 1}}", "data.val_fraction=0.1"))
+    assert str(err.value) == (f"data.mixture: '{one}' has 1 usable document(s): too few to hold out a validation "
+                              f"split (data.val_fraction=0.1; a text file is one document unless data.separator "
+                              f"splits it)")
+    data = datalib.load(cfg_of(f"data.mixture={{{a}: 1}}", f"data.path={one}"))
+    assert data.info[-1] == f"[yellow]note:[/] data.mixture replaces data.path: '{one}' is not read"
+    assert "note" not in " ".join(datalib.load(cfg_of(f"data.mixture={{{a}: 1}}")).info)

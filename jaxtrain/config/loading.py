@@ -133,6 +133,9 @@ def _validation_error(err: ValidationError) -> ConfigError:
     if first["type"] == "value_error" and isinstance(first.get("ctx", {}).get("error"), ConfigError):
         return first["ctx"]["error"]
     msg = first["msg"] if len(loc) == len(first["loc"]) else "Input should be a bool, int, float or string"
+    if got is None and loc and ":" in loc[-1]:  # '{a.jsonl:3}': YAML reads one key 'a.jsonl:3' with no value
+        head, _, tail = loc[-1].rpartition(":")
+        msg += f"; YAML reads '{loc[-1]}' as one key without a value: write '{head}: {tail}', with a space"
     return ConfigError(f"{key}: {msg} (got {got!r})")
 
 

@@ -202,6 +202,13 @@ def test_a_key_given_twice_in_an_override_value_is_named(override, key):
     assert str(err.value) == f"override '{override}': duplicate key '{key}' (YAML alone would silently keep the last)"
 
 
+def test_a_mapping_written_without_a_space_after_the_colon_gets_a_hint():
+    with pytest.raises(ConfigError) as err:
+        cfglib.load(None, ["data.mode=packed", "data.mixture={a.jsonl:3, b.txt: 1}"])
+    assert str(err.value) == ("data.mixture.a.jsonl:3: Input should be a valid number; YAML reads 'a.jsonl:3' as one "
+                              "key without a value: write 'a.jsonl: 3', with a space (got None)")
+
+
 def test_yaml_files_may_use_merge_keys_empty_sections_but_not_dotted_keys(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("train:\n  <<: &base {steps: 7, log_every: 1}\n  steps: 5\nmodel:\n#  d_model: 64\n")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import math
+import os
 import re
 import sys
 from dataclasses import dataclass, field
@@ -148,7 +149,8 @@ def check_job(job: Job, processes: int) -> None:
 
 def job_devices(target: str, job: Job, args: argparse.Namespace) -> tuple[int, int, str]:
     """(processes, devices per process, platform) of the job the flags ask for: one process per node but
-    SLURM's ``--ntasks-per-node``; a CPU process has one device unless ``--env XLA_FLAGS`` forces more."""
+    SLURM's ``--ntasks-per-node``; a CPU process has one device unless ``--env XLA_FLAGS`` (SLURM: or this
+    shell's, which sbatch passes on) forces more."""
     processes = job.nodes * getattr(args, "ntasks_per_node", 1)
     per = {"slurm": getattr(args, "gpus_per_task", 0), "ray": getattr(args, "gpus_per_worker", 0)}.get(target)
     kind = "gpu"
@@ -162,7 +164,10 @@ def job_devices(target: str, job: Job, args: argparse.Namespace) -> tuple[int, i
         per, kind = (tpus, "tpu") if isinstance(tpus, int) else (gpus if isinstance(gpus, int) else 0, "gpu")
     if per:
         return processes, per, kind
-    forced = re.search(r"--xla_force_host_platform_device_count=(\d+)", job.env.get("XLA_FLAGS", ""))
+    flags = job.env.get("XLA_FLAGS", "")
+    if target == "slurm" and "XLA_FLAGS" not in job.env:  # sbatch passes the submitting shell's environment on
+        flags = os.environ.get("XLA_FLAGS", "")
+    forced = re.search(r"--xla_force_host_platform_device_count=(\d+)", flags)
     return processes, int(forced.group(1)) if forced else 1, "cpu"
 
 

@@ -66,10 +66,14 @@ JOB = "(the job has 8 processes x 1 GPU device = 8)"
     (["--nodes", "2", "--env", "XLA_FLAGS=--xla_force_host_platform_device_count=4", "mesh.data=-1",
       "mesh.tensor=3"], "mesh.data: cannot fill -1: 8 devices are not divisible by the product 3 of the other axes "
      "(data=-1, fsdp=1, tensor=3, sequence=1, expert=1, stage=1) (the job has 2 processes x 4 CPU devices = 8)"),
+    (["--nodes", "2", "mesh.data=-1", "mesh.tensor=3"],  # this shell's XLA_FLAGS, which sbatch passes on
+     "mesh.data: cannot fill -1: 16 devices are not divisible by the product 3 of the other axes "
+     "(data=-1, fsdp=1, tensor=3, sequence=1, expert=1, stage=1) (the job has 2 processes x 8 CPU devices = 16)"),
 ])
-def test_a_mesh_the_job_cannot_hold_is_refused_before_the_script(capsys, tmp_path, flags, error):
+def test_a_mesh_the_job_cannot_hold_is_refused_before_the_script(capsys, monkeypatch, tmp_path, flags, error):
     """The checks jaxtrain.train makes once its devices are up, made for the job's devices: such a job
     would otherwise wait in the queue only to fail at its start."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # this shell's, as sbatch passes it
     code, out, err = launch(capsys, "slurm", "--config", CONFIG, "--chdir", str(tmp_path), "--dry-run", *flags)
     assert (code, out, err) == (2, "", f"error: {error}\n")
 
@@ -77,6 +81,7 @@ def test_a_mesh_the_job_cannot_hold_is_refused_before_the_script(capsys, tmp_pat
 def test_relative_config_file_becomes_absolute(capsys, monkeypatch, tmp_path):
     """The job starts in --chdir: a relative config file is passed by its absolute path (a shared filesystem)."""
     monkeypatch.chdir(REPO)
+    monkeypatch.delenv("XLA_FLAGS")  # the tests' 8 host devices, which sbatch would pass on: batch 12 cannot split
     code, out, _ = launch(capsys, "slurm", "--config", "configs/shakespeare_char.yaml", "--chdir", str(tmp_path),
                           "--dry-run", "train.steps=3")
     assert code == 0

@@ -157,11 +157,13 @@ def job_devices(target: str, job: Job, args: argparse.Namespace) -> tuple[int, i
     if target in ("gke", "vertex"):
         per = accelerator_count(args)
         kind = "tpu" if (args.accelerator or "").lower().startswith("tpu") else "gpu"
-    elif target in ("kubeflow", "volcano"):  # --gpus, or the device plugins' resources by hand
-        from jaxtrain.launch.k8s import resources
-        res = resources(args)
-        tpus, gpus = res.get("google.com/tpu"), res.get("nvidia.com/gpu")
-        per, kind = (tpus, "tpu") if isinstance(tpus, int) else (gpus if isinstance(gpus, int) else 0, "gpu")
+    elif target in ("kubeflow", "volcano"):  # --gpus, or the device plugins' resources by hand (build checked them)
+        res = dict(item.partition("=")[::2] for item in getattr(args, "resource", []))
+        tpus, gpus = res.get("google.com/tpu", ""), res.get("nvidia.com/gpu", "")
+        if tpus.isdigit():
+            per, kind = int(tpus), "tpu"
+        else:
+            per = getattr(args, "gpus", None) or (int(gpus) if gpus.isdigit() else 0)
     if per:
         return processes, per, kind
     flags = job.env.get("XLA_FLAGS", "")

@@ -4,8 +4,9 @@
 
 One uninterrupted reference run gives the loss at every step. Then each trial
 starts (or resumes) the same command in one run directory, kills it with
-SIGKILL after a random delay (saves happen every 2 steps, so many kills land
-during an async save), reads which steps are committed, and checks that the
+SIGKILL at a random moment (most within two steps after a random step's log
+line; saves happen every 2 steps, so many kills land during an async save),
+reads which steps are committed, and checks that the
 next start resumes from exactly the latest committed step. When a run
 completes, the directory is reset. At the end every loss row written by every
 process must equal the reference loss at that step, bit for bit. Prints one
@@ -36,6 +37,9 @@ SMALL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_
          "data.tokenizer=byte", "data.seq_len=32", "train.global_batch=8", "train.log_every=1",
          "train.eval_every=1000", "train.eval_batches=2", "train.sample_tokens=8", "optimizer.warmup_steps=5",
          "run.progress=false", "mesh.data=1", "checkpoint.every=2", "checkpoint.keep=2"]
+
+
+STEP_LINE = re.compile(r"step +(\d+) \|")  # the trainer's per-step log line
 
 
 SLOW_CHECKSUM = """
@@ -141,8 +145,9 @@ def run_trials(trials: int, workdir: Path, data: str, steps: int = 40, seed: int
             failures.append(f"{len(bad)} loss rows differ from the reference, e.g. {bad[:3]}")
         return len(rows)
 
-    times = [json.loads(line)["time"] for line in (ref_dir / "metrics.jsonl").read_text().splitlines()]
-    window = times[-1] - times[0]
+    rows = [json.loads(line) for line in (ref_dir / "metrics.jsonl").read_text().splitlines()]
+    logged_at = {r["step"]: r["time"] for r in rows if "loss" in r}  # when the reference logged each step
+    window = logged_at[steps] - logged_at[1]
     log(f"reference: {steps} steps in {ref_time:.1f} s, {window:.1f} s of it training (and saving)")
     for trial in range(trials + 1):
         last = trial == trials  # the final start runs to completion
@@ -154,13 +159,21 @@ def run_trials(trials: int, workdir: Path, data: str, steps: int = 40, seed: int
             expected = []
         proc = subprocess.Popen(command(run_dir, data, steps, slow_checksum), env=env, cwd=REPO, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
-        lines, training = [], threading.Event()
+        # Most kills are aimed at a step the run has not yet logged, so they land before it ends
+        # however fast this machine is today (a delay measured from the reference run did not).
+        lines, reached = [], threading.Event()
+        first = min(expected[-1] + 1 if expected else 1, steps - 1)  # the first step this start logs
+        target = rng.randint(first, steps - 1)
 
         def read():
-            for line in proc.stdout:
-                lines.append(line)
-                if line.startswith("step "):
-                    training.set()
+            try:
+                for line in proc.stdout:
+                    lines.append(line)
+                    logged = STEP_LINE.match(line)
+                    if logged and int(logged.group(1)) >= target:
+                        reached.set()
+            finally:
+                reached.set()  # the process ended (or closed its output) first
         reader = threading.Thread(target=read, daemon=True)
         reader.start()
         if last:
@@ -176,13 +189,12 @@ def run_trials(trials: int, workdir: Path, data: str, steps: int = 40, seed: int
             when = f"{delay:.1f} s after start"
             _kill_after(proc, delay)
         else:  # most during training, where every other step starts an async save
-            training.wait(timeout=300)
-            t_train = time.monotonic()
-            delay = rng.uniform(0.0, window)
-            when = f"{delay:.2f} s into training"
+            reached.wait()
+            # At most half the time the reference took from this step to its last one: a later
+            # start may run faster (warm caches), and a kill must still land before the end.
+            delay = rng.uniform(0.0, 0.5 * (logged_at[steps] - logged_at[target]))
+            when = f"{delay * 1000:.0f} ms after step {target}"
             _kill_after(proc, delay)
-            if proc.returncode == 0:  # finished first: the machine got faster, aim earlier next time
-                window = 0.8 * (time.monotonic() - t_train)
         proc.wait()
         reader.join()
         out = "".join(lines)

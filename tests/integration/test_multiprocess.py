@@ -6,6 +6,7 @@ process stops all at one step, a SIGKILLed peer and a missing peer end with name
 with tensor parallelism across processes, and resumes onto other process counts.
 """
 import json
+import re
 import shutil
 import signal
 import time
@@ -117,7 +118,7 @@ def test_a_signal_to_one_process_stops_every_process_at_one_step(tmp_path, corpu
 
 def test_a_killed_process_ends_the_others_with_a_named_error(tmp_path, corpus_path):
     run_dir = tmp_path / "run"
-    job = mp.Job(2, 4, args(corpus_path, run_dir, "train.steps=1000", "distributed.peer_timeout_s=6"))
+    job = mp.Job(2, 4, args(corpus_path, run_dir, "train.steps=1000", "distributed.peer_timeout_s=15"))
     job.wait_for("step      2 | loss")
     job.procs[1].kill()
     t0 = time.monotonic()
@@ -135,14 +136,16 @@ def test_a_missing_peer_is_a_named_timeout(tmp_path, corpus_path):
     job = mp.Job(2, 4, args(corpus_path, run_dir, "distributed.init_timeout_s=4"), only=[0])
     assert job.wait(timeout=120) == [5]
     out = job.output(0)
-    assert "error: distributed.init_timeout_s: process 0 of 2 waited 4 s for every process to join at 127.0.0.1:" in out
+    # "waited 4 s" unless the main thread itself stalled past the check (a loaded CI machine)
+    assert re.search(r"error: distributed\.init_timeout_s: process 0 of 2 waited [4-9] s for every process to join "
+                     r"at 127\.0\.0\.1:", out), out[-2000:]
     assert "Check failure stack trace" not in out
     assert not (run_dir / "metrics.jsonl").exists()
 
 
 def test_a_signal_during_one_process_start_up_stops_every_process(tmp_path, corpus_path):
     run_dir = tmp_path / "run"
-    job = mp.Job(2, 4, args(corpus_path, run_dir, "distributed.peer_timeout_s=6"))
+    job = mp.Job(2, 4, args(corpus_path, run_dir, "distributed.peer_timeout_s=15"))
     job.wait_for("distributed: process 1 of 2 joined", process=1)
     job.procs[1].send_signal(signal.SIGTERM)
     assert job.wait(timeout=120) == [0, 0]

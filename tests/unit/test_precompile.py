@@ -153,13 +153,20 @@ def test_a_process_that_ends_while_a_compile_is_in_flight_exits_cleanly(small_cf
     config.write_text(yaml.safe_dump(small_cfg("mesh.data=1").to_dict()))
     script = tmp_path / "ends_early.py"
     script.write_text(textwrap.dedent(f"""
-        import threading, time, jax
+        import threading, jax
+        from jax._src import compiler
         from jaxtrain import config
         from jaxtrain.train import setup
         from jaxtrain.train.precompile import THREAD_NAME, Precompile
+        compiling, backend_compile = threading.Event(), compiler.backend_compile_and_load
+        def announced(*args, **kwargs):  # the precompile thread entered XLA's compile
+            if threading.current_thread().name == THREAD_NAME:
+                compiling.set()
+            return backend_compile(*args, **kwargs)
+        compiler.backend_compile_and_load = announced
         s = setup(config.load({str(config)!r}, []), jax.devices()[:1], load_data=True)
         Precompile(s, s.data.val)
-        time.sleep(1.0)  # past the tracing, into XLA's compile
+        assert compiling.wait(120), "the precompile thread never reached XLA's compile"
         print([t.name for t in threading.enumerate() if t.is_alive()].count(THREAD_NAME), flush=True)
     """))
     env = {**os.environ, "XLA_FLAGS": xla_test_flags.with_devices(1)}

@@ -2,16 +2,19 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from conftest import SMALL
 from multiproc import environment
 
 from jaxtrain.train import prefetch
 
+PROBE = Path(__file__).resolve().parents[1] / "helpers" / "prefetch_probe"
 
-def _run(tmp_path, corpus_path, name: str) -> str:
+
+def _run(tmp_path, corpus_path, name: str, extra: dict | None = None) -> str:
     env = environment(1, {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla"),
-                          "JAXTRAIN_PROGRAM_CACHE_DIR": str(tmp_path / "programs")})
+                          "JAXTRAIN_PROGRAM_CACHE_DIR": str(tmp_path / "programs"), **(extra or {})})
     done = subprocess.run([sys.executable, "-m", "jaxtrain.train", *SMALL, f"data.path={corpus_path}", "train.steps=2",
                            "train.eval_every=2", f"run.dir={tmp_path / name}"],
                           env=env, capture_output=True, text=True, timeout=240)
@@ -33,7 +36,7 @@ def test_a_warm_start_gets_every_executable_from_the_prefetch(tmp_path, corpus_p
     assert len(entries) >= 3 and not any(e["prefetched"] for e in entries)  # init, train step, evaluation...
     for e in entries:  # each one is an executable JAX stored
         assert list((tmp_path / "xla").glob(f"{e['key']}*")), e["key"]
-    warm = _run(tmp_path, corpus_path, "warm")
+    warm = _run(tmp_path, corpus_path, "warm", {"PYTHONPATH": str(PROBE)})  # reads wait for the thread to begin
     again = _recorded(tmp_path)
     assert sorted(e["key"] for e in again) == sorted(e["key"] for e in entries)
     assert all(e["prefetched"] for e in again), again

@@ -38,19 +38,20 @@ class Slow(Hook):
 
 def test_step_time_leaves_out_evaluation_saves_and_compile(small_cfg, monkeypatch):
     save = Checkpointer.save
-    monkeypatch.setattr(Checkpointer, "save", lambda self, *a, **k: (time.sleep(2.0), save(self, *a, **k))[1])
+    monkeypatch.setattr(Checkpointer, "save", lambda self, *a, **k: (time.sleep(3.0), save(self, *a, **k))[1])
     cfg = small_cfg("train.steps=8", "train.log_every=2", "train.eval_every=4", "train.eval_batches=10",
                     "checkpoint.every=4", "mesh.data=1")
-    result = fit(cfg, devices=jax.devices()[:1], quiet=True, hooks=[Slow(data_s=0.1, eval_s=0.2)])
+    result = fit(cfg, devices=jax.devices()[:1], quiet=True, hooks=[Slow(data_s=0.1, eval_s=0.3)])
     train = {r["step"]: r for r in result.rows if "step_time_s" in r}
     evals = {r["step"]: r for r in result.rows if "val_loss" in r}
     assert sorted(train) == [2, 4, 6, 8] and sorted(evals) == [4, 8]
-    assert all(r["eval_time_s"] >= 2.0 for r in evals.values())  # 10 batches x 0.2 s
-    assert train[6]["checkpoint_block_s"] >= 2.0 and train[2]["checkpoint_block_s"] < 1.0  # the save at 4
+    assert all(r["eval_time_s"] >= 3.0 for r in evals.values())  # 10 batches x 0.3 s
+    assert train[6]["checkpoint_block_s"] >= 3.0 and train[2]["checkpoint_block_s"] < 1.0  # the save at 4
     # Each step waited 0.1 s for the next batch (fetched while it ran), but the last: there is none;
-    # eval (2 s) and save (2 s) after step 4 are not in step 6's time.
+    # eval (3 s) and save (3 s) after step 4 are not in step 6's time. The upper bounds leave a loaded
+    # 2-core machine ~1.8 s of stalls (a compile thread, Orbax's writers) and still catch either pause.
     for r in train.values():
-        assert (0.05 if r["step"] == 8 else 0.1) <= r["data_wait_s"] < 0.5 and r["step_time_s"] < 0.9, r
+        assert (0.05 if r["step"] == 8 else 0.1) <= r["data_wait_s"] < 2.0 and r["step_time_s"] < 2.0, r
         # (step 1's batch was waited for before the compile, so the first row's time holds one wait of two)
         assert r["step_time_s"] >= (0.05 if r["step"] in (2, 8) else 0.1), r
     assert train[2]["compile_s"] > 0 and all("compile_s" not in train[s] for s in (4, 6, 8))

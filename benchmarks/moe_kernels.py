@@ -15,8 +15,8 @@ backward (the gradient of sum(y^2) with respect to the tokens and the three weig
                       group sizes are known at compile time
   batched [E, M/E]    one batched matmul over the experts' buffers: capacity routing at factor 1.0
                       as GPU and TPU run it (on CPU jaxtrain's capacity path runs per-expert 2-D)
-  dropless blocked    jaxtrain's CPU dropless path (``jaxtrain.kernels.moe._blocked_swiglu``):
-                      copies sorted by expert in B-row blocks, each block's weights gathered
+  dropless windows    jaxtrain's CPU dropless path (``jaxtrain.kernels.grouped_cpu``): copies
+                      sorted by expert, one 2-D SwiGLU per window of w rows inside one group
   ragged_dot          ``jax.lax.ragged_dot`` on the sorted copies, which XLA:CPU expands into
                       one masked dense matmul per expert (E x the FLOPs)
 
@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from _bench import append_result_rows, commit, hardware
 
-from jaxtrain.kernels import moe as kernels
+from jaxtrain.kernels.grouped_cpu import windowed_swiglu
 
 TOKENS, D_MODEL, D_FF, N_EXP, TOP_K = 1024, 128, 192, 8, 2
 HEADER = "| date (UTC) | hardware | commit | case | ms (fwd+bwd, median) | vs dense 2-D | max rel. diff |"
@@ -77,8 +77,8 @@ def expert_cases(expert: np.ndarray) -> dict[str, Callable]:
         h = jax.nn.silu(jnp.einsum("emd,edf->emf", xs, wg)) * jnp.einsum("emd,edf->emf", xs, wu)
         return jnp.einsum("emf,efd->emd", h, wd).reshape(m, -1)[inverse]
 
-    def blocked(rows, wg, wu, wd):
-        return kernels._blocked_swiglu(rows, jnp.asarray(expert), wg, wu, wd)
+    def windows(rows, wg, wu, wd):
+        return windowed_swiglu(rows, jnp.asarray(expert), wg, wu, wd)
 
     def ragged(rows, wg, wu, wd):
         group = jnp.asarray(sizes, jnp.int32)
@@ -87,7 +87,7 @@ def expert_cases(expert: np.ndarray) -> dict[str, Callable]:
         return jax.lax.ragged_dot(h, wd, group)[inverse]
 
     assert sizes.min() == sizes.max() == m // n_exp, "the batched case needs balanced routing"
-    return {"per-expert 2-D": per_expert, "batched [E, M/E]": batched, "dropless blocked": blocked,
+    return {"per-expert 2-D": per_expert, "batched [E, M/E]": batched, "dropless windows": windows,
             "ragged_dot": ragged}
 
 

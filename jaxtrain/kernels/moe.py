@@ -11,8 +11,8 @@ Two ways to run the experts:
 * **dropless** (MegaBlocks, Gale et al. 2023): the copies are sorted by expert and run as
   grouped matmuls: ``jax.lax.ragged_dot`` with the per-expert group sizes on GPU and TPU.
   XLA:CPU expands ``ragged_dot`` into one masked dense matmul per group (n_experts x the
-  work), so on CPU each group is padded to whole blocks and the blocks run as one batched
-  matmul (MegaBlocks' padded layout, :func:`_blocked_swiglu`). No token is dropped.
+  work), so on CPU the sorted copies run as 2-D matmuls over fixed-size windows, each inside one
+  expert's group (:mod:`jaxtrain.kernels.grouped_cpu`). No token is dropped.
 * **capacity** (GShard, Lepikhin et al. 2020; Switch, Fedus et al. 2022): each expert has
   ``capacity`` slots per sequence; the model gives each copy its slot, and copies whose slot
   is >= capacity are dropped (they contribute zero; the residual carries the token on).
@@ -28,7 +28,7 @@ on what it receives, and sends the results back with a second all-to-all. Drople
 sends each device exactly the copies for its experts (``jax.lax.ragged_all_to_all``) into a
 receive buffer sized for the worst case (every copy of every device), and the grouped matmul
 computes only the rows received. XLA:CPU has no ragged all-to-all: there it is emulated with a
-dense all-to-all of chunks padded to the worst case, and the blocked matmul computes the whole
+dense all-to-all of chunks padded to the worst case, and the windowed matmuls compute the whole
 buffer (``ep`` x the bytes and FLOPs; correct, for tests and small runs). Capacity routing sends
 each expert's slot buffers. The ``mlp`` dimension may be split over other axes (``tensor``):
 each device then holds a slice of every local expert's hidden units and the outputs are summed
@@ -46,6 +46,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain.errors import ShardingError
 from jaxtrain.kernels import target
+from jaxtrain.kernels.grouped_cpu import windowed_swiglu
 from jaxtrain.parallel import pipeline
 from jaxtrain.parallel.activations import active_sharding
 
@@ -54,10 +55,11 @@ def _grouped_swiglu(rows: jax.Array, expert: jax.Array, w_gate, w_up, w_down) ->
     """rows [M, embed], expert [M] int32 in [0, E] (E = no expert: output 0) -> [M, embed].
 
     Sorts the rows by expert and runs the SwiGLU as grouped matmuls over the groups: three
-    ``ragged_dot`` calls on GPU and TPU (grouped GEMM kernels), :func:`_blocked_swiglu` on CPU.
+    ``ragged_dot`` calls on GPU and TPU (grouped GEMM kernels), 2-D matmuls over windows of the
+    sorted rows on CPU (:func:`jaxtrain.kernels.grouped_cpu.windowed_swiglu`).
     """
     if target.backend() == "cpu":
-        return _blocked_swiglu(rows, expert, w_gate, w_up, w_down)
+        return windowed_swiglu(rows, expert, w_gate, w_up, w_down)
     n_exp = w_gate.shape[0]
     order = jnp.argsort(expert, stable=True)
     sizes = jnp.bincount(expert, length=n_exp + 1)[:n_exp].astype(jnp.int32)
@@ -66,42 +68,6 @@ def _grouped_swiglu(rows: jax.Array, expert: jax.Array, w_gate, w_up, w_down) ->
     ys = jax.lax.ragged_dot(h, w_down, sizes)
     ys = jnp.where((jnp.arange(rows.shape[0]) < sizes.sum())[:, None], ys, 0)  # rows past the groups
     return jnp.zeros_like(ys).at[order].set(ys)
-
-
-def block_rows(m: int, n_exp: int) -> int:
-    """Rows per block of :func:`_blocked_swiglu`: a power of two near m / (4 * n_exp), in [8, 128]."""
-    target = max(1, m // (4 * n_exp))
-    return int(min(128, max(8, 1 << (target.bit_length() - 1))))
-
-
-def _blocked_swiglu(rows: jax.Array, expert: jax.Array, w_gate, w_up, w_down) -> jax.Array:
-    """The grouped SwiGLU as batched matmuls over fixed-size blocks (MegaBlocks' padded layout).
-
-    Each expert's rows are padded to a multiple of B rows, so every block of B rows belongs
-    to one expert; the blocks run as one batched matmul with their expert's weights gathered
-    per block. Work: at most (M + E*B) rows instead of the E*M of XLA:CPU's ragged_dot, which
-    expands into one masked dense matmul per group. Same contract as :func:`_grouped_swiglu`.
-    """
-    m, d = rows.shape
-    n_exp = w_gate.shape[0]
-    b = block_rows(m, n_exp)
-    n_blocks = -(-m // b) + n_exp  # static bound: each group wastes less than one block
-    sizes = jnp.bincount(expert, length=n_exp + 1)[:n_exp]
-    padded = -(-sizes // b) * b
-    start = jnp.cumsum(padded) - padded  # each expert's first row in the padded layout
-    order = jnp.argsort(expert, stable=True)
-    e_sorted = expert[order]
-    valid = e_sorted < n_exp
-    e_safe = jnp.minimum(e_sorted, n_exp - 1)
-    rank = jnp.arange(m) - (jnp.cumsum(sizes) - sizes)[e_safe]
-    dest = jnp.where(valid, start[e_safe] + rank, n_blocks * b)  # invalid rows go to a cut-off row
-    buf = jnp.zeros((n_blocks * b + 1, d), rows.dtype).at[dest].set(rows[order])[:-1].reshape(n_blocks, b, d)
-    owner = jnp.searchsorted(jnp.cumsum(padded), jnp.arange(n_blocks) * b, side="right")
-    owner = jnp.minimum(owner, n_exp - 1)  # blocks past the last group hold zeros; any expert will do
-    h = jax.nn.silu(jnp.einsum("nbd,ndf->nbf", buf, w_gate[owner])) * jnp.einsum("nbd,ndf->nbf", buf, w_up[owner])
-    out = jnp.einsum("nbf,nfd->nbd", h, w_down[owner]).reshape(n_blocks * b, d)
-    out = jnp.concatenate([out, jnp.zeros((1, d), out.dtype)])[dest]
-    return jnp.zeros((m, d), out.dtype).at[order].set(out)
 
 
 def _ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis, chunk: int):

@@ -29,7 +29,7 @@ def test_flash_attention_forward_and_backward_lower_for_cuda(shape, kv_heads):
 @pytest.mark.parametrize("config, overrides, expect", [
     # The one-H200 benchmark's 1.1B step with our Pallas attention: Triton kernels in the module.
     ("llama_1b_h200", ["model.attention=pallas"], "jaxtrain_flash_fwd"),
-    # The MoE family's dropless experts: ragged_dot (grouped GEMM) on GPU, not the CPU blocked path.
+    # The MoE family's dropless experts: ragged_dot (grouped GEMM) on GPU, not the CPU windowed path.
     ("moe_shakespeare", ["model.attention=pallas", "model.dtype=bfloat16", "data.path=stdlib",
                          "data.tokenizer=byte"], "ragged"),
 ])

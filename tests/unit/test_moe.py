@@ -103,15 +103,20 @@ def test_balanced_routing_gives_an_aux_loss_of_one():
     assert float(out["z"]) == pytest.approx(math.log(4) ** 2, abs=1e-5)
 
 
-@pytest.mark.parametrize("n", [100, 300])  # 300: the busiest expert's ~150 rows span 3 windows of 64
-def test_the_cpu_windowed_grouped_matmul_equals_ragged_dot_values_and_gradients(n):
+@pytest.mark.parametrize("n, share", [
+    (100, [0.5, 0.3, 0.1, 0.0, 0.1]),
+    (300, [0.5, 0.3, 0.1, 0.0, 0.1]),  # the busiest expert's ~150 rows span 3 windows of 64
+    (300, [1.0, 0.0, 0.0, 0.0, 0.0]),  # every row to one expert: 5 windows of one group
+    (100, [0.0, 0.0, 0.0, 0.0, 1.0]),  # no row has an expert: all zeros
+], ids=["mixed", "multi-window", "one-expert", "none"])
+def test_the_cpu_windowed_grouped_matmul_equals_ragged_dot_values_and_gradients(n, share):
     """Both paths in float32 against the ragged_dot path in float64: the windowed kernel's worst error
     is at most 4x ragged_dot's own (the tolerance follows the summands' scale on this CPU: an Intel
     Xeon's float32 gradients differ from an AMD EPYC's by up to 5e-3 here, both accurate)."""
     from jaxtrain.kernels.grouped_cpu import windowed_swiglu
     rng = np.random.default_rng(0)
     rows = rng.normal(size=(n, 16))
-    expert = jnp.asarray(rng.choice(5, size=n, p=[0.5, 0.3, 0.1, 0.0, 0.1]), jnp.int32)  # 4 = no expert
+    expert = jnp.asarray(rng.choice(5, size=n, p=share), jnp.int32)  # 4 = no expert
     ws = [rng.normal(size=s) for s in ((4, 16, 24), (4, 16, 24), (4, 24, 16))]
 
     def ragged(r, wg, wu, wd):  # the ragged_dot path, whatever the backend

@@ -171,9 +171,9 @@ def during_startup() -> None:
     watchdog: nothing has been trained or saved, and what start-up writes survives a kill.
     """
     if threading.current_thread() is threading.main_thread():
+        _startup["armed"] = True  # first: a signal right after signal.signal() must find it armed
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, _on_startup_signal)
-        _startup["armed"] = True
         _wakeup.push(_startup_arm)  # also heard while a native call (an import, a join) blocks
 
 

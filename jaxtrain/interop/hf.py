@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -302,6 +303,26 @@ def _run_vocab(cfg: Config, run_dir: Path) -> int:
     return tok.vocab_size
 
 
+def _trained_with(cfg: Config, ckpt: Checkpointer, step: int) -> Config:
+    """``cfg`` with the model section ``step`` was trained with, saved beside its state.
+
+    ``config.yaml`` describes the run's latest launch, which may have changed keys that leave the
+    parameters' shapes alone (``model.top_k``, ``routing``, ``dtype``) since ``step`` was saved;
+    the HF config must say what the weights were trained for. Each changed key is a note on stderr.
+    A step saved without a readable config keeps the run's.
+    """
+    try:
+        saved = json.loads(ckpt.store.read_text(f"{step}/config/metadata"))["model"]
+        trained = from_dict({**cfg.to_dict(), "model": saved})
+    except (OSError, ValueError, KeyError, TypeError, ConfigError):
+        return cfg
+    now, then = cfg.model.model_dump(), trained.model.model_dump()
+    for key in (k for k in then if now.get(k) != then[k]):
+        print(f"note: exporting step {step} with model.{key}={then[key]!r}, what it was trained with "
+              f"(the run's config.yaml now has {now.get(key)!r})", file=sys.stderr)
+    return trained
+
+
 def export(run_dir: Path, out_dir: Path, step: Optional[int] = None,
            max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path:
     """Writes the params of ``step`` (default: latest committed) of ``run_dir`` to ``out_dir``.
@@ -325,14 +346,15 @@ def export(run_dir: Path, out_dir: Path, step: Optional[int] = None,
     cfg = _single_device(load(str(run_dir / "config.yaml")))
     _check_out_dir(Path(out_dir), run_dir, cfg.checkpoint.dir)
     check_no_foreign_weights(Path(out_dir))
-    conv = converter(cfg)
-    s = setup(cfg, jax.devices()[:1], vocab=_run_vocab(cfg, run_dir))
     ckpt = Checkpointer(cfg, run_dir)
     try:
         steps = ckpt.restorable()
         step = (steps[-1] if steps else None) if step is None else step
         if step is None:
             raise CheckpointError(f"export: no committed checkpoint in {ckpt.store.url}")
+        cfg = _trained_with(cfg, ckpt, step)
+        conv = converter(cfg)
+        s = setup(cfg, jax.devices()[:1], vocab=_run_vocab(cfg, run_dir))
         try:
             state, _ = ckpt.restore(step, s.abstract_state())
         except CorruptCheckpointError as err:

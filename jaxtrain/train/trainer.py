@@ -93,12 +93,16 @@ def _fit(s: Setup, run_dir: Path, out: Reporter, extra: Sequence[Hook]) -> RunRe
         signals.check_startup()
         if ckpt:
             _check_no_clash(ckpt, start, cfg.train.steps)
-        if primary:
-            rundir.write_config_file(cfg, run_dir)  # only now: a failed resume leaves the old config.yaml
+        # Only now: a failed resume leaves the old config.yaml, and so does a launch that trains nothing
+        # (config.yaml describes what the run's steps were trained with).
+        nothing = start >= cfg.train.steps
+        kept = nothing and (run_dir / "config.yaml").is_file()
+        if primary and not kept:
+            rundir.write_config_file(cfg, run_dir)
         sinks.drop_after(start)
-        if start >= cfg.train.steps:
+        if nothing:
             out.info(f"checkpoint step {start} >= train.steps={cfg.train.steps}: nothing to train "
-                     f"(raise train.steps to continue)")
+                     f"(raise train.steps to continue){'; config.yaml is left as it was' if kept else ''}")
         val = put_validation(data.val, s.fns.batch_sharding)
         peak, peak_src = flops.total_peak_flops(cfg, s.devices)
         out.info(describe_run(s, state, peak, peak_src))

@@ -120,3 +120,15 @@ def test_default_main_job(tmp_path, capsys):
     assert not [p for p in (run_dir / "checkpoints").iterdir() if "tmp" in p.name]
     for name in ("config.yaml", "versions.json", "metrics.jsonl", "tokenizer.json"):
         assert (run_dir / name).is_file(), name
+
+
+def test_a_launch_that_trains_nothing_leaves_config_yaml_as_it_was(small_cfg, capsys):
+    """config.yaml says what the run's steps were trained with: a relaunch already at train.steps (here with
+    another learning rate) evaluates but trains nothing, so it does not rewrite it."""
+    done = fit(small_cfg("train.steps=2", "checkpoint.every=2", run_dir="done"), quiet=True)
+    before = (done.run_dir / "config.yaml").read_bytes()
+    capsys.readouterr()
+    again = fit(small_cfg("train.steps=2", "checkpoint.every=2", "optimizer.lr=0.5", run_dir="done"))
+    assert again.start_step == 2 and (done.run_dir / "config.yaml").read_bytes() == before
+    assert ("checkpoint step 2 >= train.steps=2: nothing to train (raise train.steps to continue); config.yaml is "
+            "left as it was") in " ".join(capsys.readouterr().out.split())

@@ -104,6 +104,36 @@ def _windows_bwd(w, res, d_out):
 _windows.defvjp(_windows_fwd, _windows_bwd)
 
 
+@jax.custom_vjp
+def permute_rows(x: jax.Array, order: jax.Array, inverse: jax.Array) -> jax.Array:
+    """``x[order]`` for a permutation ``order`` of x's rows, whose inverse is ``inverse``
+    (``inverse[order[i]] == i``). x [M, ...]; order, inverse [M] int32 -> [M, ...].
+
+    Autodiff would transpose the row gather into a scatter-add, which XLA:CPU runs row by row on
+    one thread; a permutation's transpose is the inverse permutation, so the backward pass is a
+    gather too.
+    """
+    return x[order]
+
+
+def _permute_fwd(x, order, inverse):
+    return x[order], (order, inverse)
+
+
+def _permute_bwd(res, g):
+    order, inverse = res
+    return g[inverse], None, None
+
+
+permute_rows.defvjp(_permute_fwd, _permute_bwd)
+
+
+def inverse_permutation(order: jax.Array) -> jax.Array:
+    """[M] int32 permutation -> its inverse (an integer scatter of M indices)."""
+    m = order.shape[0]
+    return jnp.zeros((m,), order.dtype).at[order].set(jnp.arange(m, dtype=order.dtype))
+
+
 def windowed_swiglu(rows: jax.Array, expert: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                     w_down: jax.Array) -> jax.Array:
     """Each row through its expert's SwiGLU ``(silu(x w_gate[e]) * (x w_up[e])) w_down[e]``.
@@ -127,9 +157,11 @@ def windowed_swiglu(rows: jax.Array, expert: jax.Array, w_gate: jax.Array, w_up:
     k = j - (win_end[owner] - wins[owner])  # the window's index within its expert's group
     start = jnp.clip(group_start[owner] + k * w, 0, m)
     valid = jnp.where(j < win_end[-1], jnp.clip(sizes[owner] - k * w, 0, w), 0)  # spare windows: none
-    order = jnp.argsort(expert, stable=True)
-    xs = jnp.concatenate([rows[order], jnp.zeros((w, d), rows.dtype)])  # a window may run past the end
+    order = jnp.argsort(expert, stable=True).astype(jnp.int32)
+    inverse = inverse_permutation(order)
+    # A window may run past the end of the sorted rows: w zero rows there.
+    xs = jnp.concatenate([permute_rows(rows, order, inverse), jnp.zeros((w, d), rows.dtype)])
     xs, w_gate, w_up, w_down = _vary_alike(xs, w_gate, w_up, w_down)
     out = _windows(w, xs, start.astype(jnp.int32), valid.astype(jnp.int32), owner.astype(jnp.int32),
                    w_gate, w_up, w_down)
-    return jnp.zeros((m, d), out.dtype).at[order].set(out[:m])
+    return permute_rows(out[:m], inverse, order)

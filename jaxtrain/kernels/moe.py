@@ -46,7 +46,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain.errors import ShardingError
 from jaxtrain.kernels import target
-from jaxtrain.kernels.grouped_cpu import windowed_swiglu
+from jaxtrain.kernels.grouped_cpu import inverse_permutation, permute_rows, windowed_swiglu
 from jaxtrain.parallel import pipeline
 from jaxtrain.parallel.activations import active_sharding
 
@@ -101,12 +101,14 @@ def _dropless(x2, idx, w_gate, w_up, w_down, axis, ep: int) -> jax.Array:
     """
     n, k = idx.shape
     m, e = n * k, idx.reshape(-1)
-    tok = jnp.arange(m) // k
+    # Each token's k copies side by side: a broadcast, whose transpose is a sum (a gather's is a scatter-add).
+    copies = jnp.broadcast_to(x2[:, None], (n, k, x2.shape[1])).reshape(m, -1)
     if ep == 1:
-        return _grouped_swiglu(x2[tok], e, w_gate, w_up, w_down).reshape(n, k, -1)
+        return _grouped_swiglu(copies, e, w_gate, w_up, w_down).reshape(n, k, -1)
     e_loc = w_gate.shape[0]  # experts on this device
     dest = e // e_loc
-    order = jnp.argsort(dest, stable=True)  # copies grouped by destination device
+    order = jnp.argsort(dest, stable=True).astype(jnp.int32)  # copies grouped by destination device
+    inverse = inverse_permutation(order)
     sizes = jnp.bincount(dest, length=ep).astype(jnp.int32)
     in_off = jnp.cumsum(sizes) - sizes  # where each destination's rows start here
     recv_sizes = jax.lax.all_to_all(sizes, axis, 0, 0, tiled=True)  # rows each source sends here
@@ -114,13 +116,13 @@ def _dropless(x2, idx, w_gate, w_up, w_down, axis, ep: int) -> jax.Array:
     out_off = jax.lax.all_to_all(recv_off, axis, 0, 0, tiled=True)  # where my rows start at each destination
     send = lambda rows, fill: _ragged_all_to_all(  # noqa: E731
         rows, jnp.full((ep * m, *rows.shape[1:]), fill, rows.dtype), in_off, sizes, out_off, recv_sizes, axis, m)
-    rows = send(x2[tok[order]], 0)  # [ep * m, embed]
+    rows = send(permute_rows(copies, order, inverse), 0)  # [ep * m, embed]
     expert = send((e % e_loc)[order][:, None].astype(jnp.int32), e_loc)[:, 0]  # e_loc: an empty row
     out = _grouped_swiglu(rows, expert, w_gate, w_up, w_down)
     # Back: each source's rows from where they landed here to where they left it.
     back = _ragged_all_to_all(out, jnp.zeros((m, out.shape[1]), out.dtype), recv_off, recv_sizes,
                               jax.lax.all_to_all(in_off, axis, 0, 0, tiled=True), sizes, axis, m)
-    return jnp.zeros_like(back).at[order].set(back).reshape(n, k, -1)
+    return permute_rows(back, inverse, order).reshape(n, k, -1)
 
 
 UNROLL_EXPERTS = 16  # on CPU, up to this many local experts run as one 2-D SwiGLU each

@@ -149,6 +149,24 @@ def test_the_cpu_windowed_grouped_matmul_equals_ragged_dot_values_and_gradients(
         np.asarray(expert) == 4].any()  # rows without an expert: 0
 
 
+def test_permute_rows_equals_indexing_and_its_backward_is_a_gather():
+    """The sort permutation of the windowed path: x[order] forward, and a gradient equal (bitwise: each
+    row's gradient is moved, never summed) to autodiff's scatter-add, computed with no scatter."""
+    from jaxtrain.kernels.grouped_cpu import inverse_permutation, permute_rows
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.normal(size=(50, 7)), jnp.float32)
+    order = jnp.asarray(rng.permutation(50), jnp.int32)
+    inverse = inverse_permutation(order)
+    np.testing.assert_array_equal(np.asarray(inverse)[np.asarray(order)], np.arange(50))
+    weights = jnp.asarray(rng.normal(size=(50, 7)), jnp.float32)
+    ours = lambda a: jnp.sum(jnp.sin(permute_rows(a, order, inverse)) * weights)  # noqa: E731
+    plain = lambda a: jnp.sum(jnp.sin(a[order]) * weights)  # noqa: E731
+    np.testing.assert_array_equal(np.asarray(permute_rows(x, order, inverse)), np.asarray(x)[np.asarray(order)])
+    np.testing.assert_array_equal(np.asarray(jax.grad(ours)(x)), np.asarray(jax.grad(plain)(x)))
+    assert "scatter" in str(jax.make_jaxpr(jax.grad(plain))(x))  # what autodiff of the indexing does
+    assert "scatter" not in str(jax.make_jaxpr(jax.grad(ours))(x))
+
+
 def test_the_cpu_per_expert_swiglu_equals_the_batched_one_with_its_gradients(monkeypatch):
     """Capacity buffers on CPU run one 2-D SwiGLU per expert; the batched form (GPU/TPU, or more
     experts than UNROLL_EXPERTS) gives the same values, forward and backward (bitwise on the AMD

@@ -29,11 +29,10 @@ import sys
 
 import jax
 from _bench import append_result_row, commit, hardware, print_table, stats, write_json
-from step import JaxBench
+from step import JaxBench, as_the_trainer_runs
 
 from jaxtrain.metrics import memory
 from jaxtrain.parallel import offload
-from jaxtrain.runtime import xla_flags
 from jaxtrain.train import setup
 
 VARIANTS = ("none", "optimizer", "params", "activations", "all")
@@ -85,8 +84,7 @@ def main(argv=None) -> int:
     p.add_argument("--write-results", action="store_true")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
-    xla_flags.apply_gpu_defaults()  # as python -m jaxtrain.train does (JAXTRAIN_XLA_GPU_FLAGS=0: none)
-    xla_flags.apply_cpu_defaults()  # likewise (JAXTRAIN_XLA_CPU_FLAGS=0: none)
+    as_the_trainer_runs()  # flags and dispatch as python -m jaxtrain.train sets them
     variants = [v.strip() for v in a.variants.split(",") if v.strip()]
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:

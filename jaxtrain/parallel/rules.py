@@ -156,8 +156,9 @@ class Rules:
                 continue
             ways = math.prod(mesh.shape[a] for a in choice)
             if size % ways:
+                keys = " * ".join(f"mesh.{a}" for a in choice)  # the config keys that set the axes
                 msg = (f"{what}: dimension {dim} ('{name}', size {size}) is not divisible by mesh axis "
-                       f"{'*'.join(choice)} = {ways}")
+                       f"{'*'.join(choice)} = {ways}, set by {keys}")
                 if not self.allow_fallback:
                     raise ShardingError(msg + " (set sharding.allow_fallback=true to replicate it)")
                 if msg + " -> replicated" not in self.fallbacks:  # specs are re-derived on every trace

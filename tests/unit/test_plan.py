@@ -121,7 +121,7 @@ def test_plan_rejects_with_the_named_error_before_compiling():
                                     "microbatches of 1.5, which data*fsdp*expert = 1 must divide; use a micro-batch "
                                     "that is a multiple of 2"),
         ("1,1,2,1,1,1", "rejected", "embed.embedding: dimension 0 ('vocab', size 255) is not divisible by mesh axis "
-                                    "tensor = 2 (set sharding.allow_fallback=true to replicate it)"),
+                                    "tensor = 2, set by mesh.tensor (set sharding.allow_fallback=true to replicate it)"),
         ("2,1,1,1,1,1", "rejected", "train.global_batch: micro-batch 3 (global_batch 3 / grad_accum 1) is not "
                                     "divisible by data*fsdp*expert = 2*1*1 = 2"),
     ]

@@ -53,14 +53,14 @@ def test_indivisible_dimension_is_named_error(rules, mesh222):
     with pytest.raises(ShardingError) as e:
         rules.partition_spec("embed.embedding", ("vocab", "embed"), (17, 64), mesh222)
     assert str(e.value) == ("embed.embedding: dimension 0 ('vocab', size 17) is not divisible by mesh axis "
-                            "tensor = 2 (set sharding.allow_fallback=true to replicate it)")
+                            "tensor = 2, set by mesh.tensor (set sharding.allow_fallback=true to replicate it)")
 
 
 def test_fallback_only_when_asked_and_reported(mesh222):
     r = Rules.load("fsdp_tp", allow_fallback=True)
     assert r.partition_spec("embed.embedding", ("vocab", "embed"), (17, 64), mesh222) == P(None, "fsdp")
     assert r.fallbacks == ["embed.embedding: dimension 0 ('vocab', size 17) is not divisible by mesh axis "
-                           "tensor = 2 -> replicated"]
+                           "tensor = 2, set by mesh.tensor -> replicated"]
 
 
 def test_logical_name_without_rule(rules, mesh222):

@@ -22,7 +22,7 @@ def test_vocab_17_over_tensor_8_is_named_not_replicated():
     with pytest.raises(ShardingError) as e:
         build("tp", "mesh.data=1", "mesh.tensor=8", "model.n_heads=8", "model.n_kv_heads=8", vocab=17)
     assert str(e.value) == ("embed.embedding: dimension 0 ('vocab', size 17) is not divisible by mesh axis "
-                            "tensor = 8 (set sharding.allow_fallback=true to replicate it)")
+                            "tensor = 8, set by mesh.tensor (set sharding.allow_fallback=true to replicate it)")
 
 
 def test_indivisible_activation_is_named_at_trace_time():
@@ -30,7 +30,8 @@ def test_indivisible_activation_is_named_at_trace_time():
     with pytest.raises(ShardingError) as e:
         s.fns.train_step.lower(s.abstract_state(), s.abstract_batch())  # tracing only: nothing is compiled
     assert str(e.value) == ("activation('batch', 'residual_length', 'embed'): dimension 1 ('residual_length', "
-                            "size 30) is not divisible by mesh axis sequence = 4 (set sharding.allow_fallback=true "
+                            "size 30) is not divisible by mesh axis sequence = 4, set by mesh.sequence (set "
+                            "sharding.allow_fallback=true "
                             "to replicate it)")
 
 
@@ -38,7 +39,7 @@ def test_fallback_replicates_and_reports_every_dimension(capsys):
     trainer = build("fsdp_tp", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", vocab=65, allow_fallback=True)
     assert trainer.fns.state_shardings["params"]["embed"]["embedding"].spec == jax.sharding.PartitionSpec(None, "fsdp")
     trainer.fns.train_step.lower(trainer.abstract_state(), trainer.abstract_batch())
-    why = "('vocab', size 65) is not divisible by mesh axis tensor = 2 -> replicated"
+    why = "('vocab', size 65) is not divisible by mesh axis tensor = 2, set by mesh.tensor -> replicated"
     assert trainer.rules.fallbacks == [
         f"embed.embedding: dimension 0 {why}",
         f"lm_head: dimension 1 {why}",

@@ -109,9 +109,10 @@ def permute_rows(x: jax.Array, order: jax.Array, inverse: jax.Array) -> jax.Arra
     """``x[order]`` for a permutation ``order`` of x's rows, whose inverse is ``inverse``
     (``inverse[order[i]] == i``). x [M, ...]; order, inverse [M] int32 -> [M, ...].
 
-    Autodiff would transpose the row gather into a scatter-add, which XLA:CPU runs row by row on
-    one thread; a permutation's transpose is the inverse permutation, so the backward pass is a
-    gather too.
+    Autodiff would transpose the row gather into a scatter-add; a permutation's transpose is the
+    inverse permutation, so here the backward pass is a gather too. The expert-parallel dropless path
+    uses it on every backend; on CPU, ``moe_shakespeare`` under ``ep`` ``expert=8`` went from 560-593 to
+    482-520 ms a step with it (2-core AMD EPYC), and one device's step did not change.
     """
     return x[order]
 

@@ -53,6 +53,19 @@ class Reporter:
     def info(self, msg: str) -> None:
         self.console.print(msg, soft_wrap=True)
 
+    def line(self, text: str) -> None:
+        """Prints ``text`` as it is (no markup read in it). Off a terminal it goes straight to the
+        console's file: rich's rendering of a metrics row took ~0.3 ms, ~1% of a shakespeare-char step
+        with a row a step (as nanoGPT prints them, with ``print``); on one, through rich, which keeps
+        the progress bar below the line."""
+        if self.console.quiet:
+            return
+        if self.console.is_terminal:
+            self.console.print(text, markup=False, highlight=False, soft_wrap=True)
+            return
+        self.console.file.write(text + "\n")
+        self.console.file.flush()
+
     def warn_table(self, title: str, rows: list[str]) -> None:
         table = Table(title=f"[yellow]warning: {title}")
         table.add_column("dimension")

@@ -76,11 +76,11 @@ class ConsoleSink:
         if "loss" in values and rate in values:
             mfu = f"{100 * values['mfu']:.1f}%" if values.get("mfu") is not None else "n/a"
             extra = "".join(f" | {k} {_num(v)}" for k, v in values.items() if k not in (*TRAIN_KEYS, rate))
-            self.out.info(f"step {step:>6} | loss {values['loss']:.4f} | lr {values['lr']:.2e} | grad_norm "
+            self.out.line(f"step {step:>6} | loss {values['loss']:.4f} | lr {values['lr']:.2e} | grad_norm "
                           f"{values['grad_norm']:.3f} | {values[rate]:,.0f} {self.unit}/s | "
                           f"{values['step_time_s'] * 1e3:.1f} ms/step | MFU {mfu}{extra}")
         elif "val_loss" in values:
-            self.out.info(f"step {step:>6} | " + " | ".join(f"{k} {_num(v)}" for k, v in values.items()
+            self.out.line(f"step {step:>6} | " + " | ".join(f"{k} {_num(v)}" for k, v in values.items()
                                                            if k != "eval_time_s"))
         elif "checkpoint_failed" in values:
             self.out.info(f"[red]checkpoint save at step {step} failed: {values['checkpoint_failed']}; "

@@ -32,6 +32,8 @@ def local_rows(sharding: NamedSharding, global_shape: tuple[int, ...], axis: int
 def to_global(local: dict[str, np.ndarray], sharding: NamedSharding, micro: int) -> dict[str, jax.Array]:
     """Per-process rows ``[accum, hi - lo, ...]`` of each field -> global ``[accum, micro, ...]``
     jax.Arrays on ``sharding`` (the micro-batch assembled from every process's rows)."""
+    if sharding.is_fully_addressable:  # one process holds every row: one transfer of the whole dict
+        return jax.device_put(local, sharding)
     return {k: jax.make_array_from_process_local_data(sharding, v, (v.shape[0], micro, *v.shape[2:]))
             for k, v in local.items()}
 

@@ -52,7 +52,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         def body() -> None:
             # Before JAX starts its backend (XLA reads XLA_FLAGS then); a bad opt-out value is exit 2.
             xla_flags.apply_gpu_defaults()  # nothing on a machine without CUDA
-            xla_flags.apply_cpu_defaults()  # XLA's own dots; on AMD, YNNPACK's reductions (see xla_flags)
+            xla_flags.apply_cpu_defaults()  # XLA:CPU's own dot kernels, not YNNPACK's (see xla_flags)
             peak_cache.enable()  # the CPU matmul peak MFU divides by, measured once a day per host
             log_to_console()
             with imports.lean():  # the JAX stack without two import-time scans a command needs not

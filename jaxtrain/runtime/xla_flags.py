@@ -19,25 +19,15 @@ of ``benchmarks/gpu_h200.sh``). XLA aborts the process on a flag it does not kno
 checked against the installed jaxlib in tests/unit/test_xla_flags.py (its CPU build parses the GPU
 flags too).
 
-On every machine :func:`apply_cpu_defaults` adds :func:`cpu_flags` the same way (opt-out
-``JAXTRAIN_XLA_CPU_FLAGS=0``). Everywhere: ``xla_cpu_experimental_ynn_fusion_type=`` (empty: no op
-goes to YNNPACK; its dots go to XLA's own kernels). Each YNNPACK fusion builds its plan the first
-time a program runs (measured with ``perf``: ~0.2 s of a one-step shakespeare run, in its first step
-and first evaluation), and the steady step was the same either way: on a 2-core AMD EPYC, 5
-alternated rounds of 200 steps, median 37.9 ms with YNNPACK against 38.4 ms without; the 25M step
-2472 against 2432 ms (3 rounds); on an Intel Xeon (AVX-512, AMX) no change beyond the noise. The
-one-step run took a median 3.87 s with it against 3.55 s without (10 alternated rounds, AMD EPYC).
-
-On an AMD CPU (``vendor_id`` AuthenticAMD): ``xla_cpu_experimental_ynn_fusion_type=reduce``, XLA's
-reductions (RMSNorm's mean of squares, the softmax's max and sum, the norm-scale gradients, the
-gradient norm) to YNNPACK and nothing else. On a 2-core AMD EPYC (family 25 model 17) the
-shakespeare-char step took 0.95x, 0.96x and 0.92x its time (paired medians of in-process
-rounds: 10x40, 6x40 and 6x30 steps, the same lowered program compiled both ways), 0.96x in 4
-alternated command-line runs of 300 steps; the 25M step 0.99x (3 rounds), the 8-expert MoE step
-1.00x (10 rounds); start-up no slower (the one-step command, 6 alternated rounds: median 2.47
-against 2.71 s). Not measured on an Intel CPU, so it is not set there. Float sums come out in
-another order: results differ from those without it in the last bits (the shakespeare step's
-updated parameters by at most 2.3e-7).
+On every machine :func:`apply_cpu_defaults` adds :data:`CPU_FLAGS` the same way (opt-out
+``JAXTRAIN_XLA_CPU_FLAGS=0``): ``xla_cpu_experimental_ynn_fusion_type=`` (empty: no op goes to
+YNNPACK; its dots go to XLA's own kernels). Each YNNPACK fusion builds its plan the first time a
+program runs (measured with ``perf``: ~0.2 s of a one-step shakespeare run, in its first step and
+first evaluation), and the steady step was the same either way: on a 2-core AMD EPYC, 5 alternated
+rounds of 200 steps, median 37.9 ms with YNNPACK against 38.4 ms without; the 25M step 2472 against
+2432 ms (3 rounds); on an Intel Xeon (AVX-512, AMX) no change beyond the noise. The one-step run
+took a median 3.87 s with it against 3.55 s without (10 alternated rounds, AMD EPYC). Float results
+differ from YNNPACK's in the last bits.
 """
 from __future__ import annotations
 
@@ -57,9 +47,7 @@ GPU_FLAGS = {
     "xla_gpu_all_gather_combine_threshold_bytes": str(1 << 27),
     "xla_gpu_reduce_scatter_combine_threshold_bytes": str(1 << 26),
 }
-CPU_FLAGS = {"xla_cpu_experimental_ynn_fusion_type": ""}  # every CPU
-AMD_CPU_FLAGS = {"xla_cpu_experimental_ynn_fusion_type": "reduce"}  # measured on AMD only (see above)
-AMD = "AuthenticAMD"
+CPU_FLAGS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 CUDA_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin")
 OPT_OUT = "JAXTRAIN_XLA_GPU_FLAGS"
 CPU_OPT_OUT = "JAXTRAIN_XLA_CPU_FLAGS"
@@ -118,37 +106,17 @@ def apply_gpu_defaults(env: os._Environ | dict = os.environ) -> bool:
     return _update(env, GPU_FLAGS)
 
 
-def cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
-    """The CPU's ``vendor_id`` (``AuthenticAMD``, ``GenuineIntel``) from ``cpuinfo``; ``""`` where that
-    file is missing or names none (not Linux)."""
-    try:
-        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return ""
-
-
-def cpu_flags(vendor: str | None = None) -> dict[str, str]:
-    """The default XLA:CPU flags for a CPU of ``vendor`` (None: this machine's, :func:`cpu_vendor`):
-    :data:`CPU_FLAGS`, with :data:`AMD_CPU_FLAGS` over them on an AMD CPU."""
-    vendor = cpu_vendor() if vendor is None else vendor
-    return {**CPU_FLAGS, **(AMD_CPU_FLAGS if vendor == AMD else {})}
-
-
 def apply_cpu_defaults(env: os._Environ | dict = os.environ) -> bool:
-    """Adds :func:`cpu_flags` (this machine's) to ``env['XLA_FLAGS']`` unless the user opted out
-    (``JAXTRAIN_XLA_CPU_FLAGS=0``) or ``XLA_FLAGS`` names a flag file; a flag already set keeps its
-    value. Call before anything starts JAX's backend. Returns whether it did.
+    """Adds :data:`CPU_FLAGS` to ``env['XLA_FLAGS']`` unless the user opted out (``JAXTRAIN_XLA_CPU_FLAGS=0``)
+    or ``XLA_FLAGS`` names a flag file; a flag already set keeps its value. Call before anything starts
+    JAX's backend. Returns whether it did.
 
     Raises:
       InputError: ``JAXTRAIN_XLA_CPU_FLAGS`` is neither ``0`` nor ``1``.
     """
     if not _wanted(env, CPU_OPT_OUT):
         return False
-    return _update(env, cpu_flags())
+    return _update(env, CPU_FLAGS)
 
 
 def _update(env: os._Environ | dict, defaults: dict[str, str]) -> bool:

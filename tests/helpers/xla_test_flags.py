@@ -7,13 +7,12 @@ test_train, test_sharding_matrix and the 100-batch evaluations 181 s -> 148 s, A
 the same; float results differ from the optimised build's in the last bits, so every process that a
 test compares with another gets the same flags. Speed is measured in benchmarks/, never here.
 
-The CPU defaults that ``python -m jaxtrain.train`` adds on this machine
-(``jaxtrain.runtime.xla_flags.cpu_flags()``) are here too, for the same reason: a trainer a test
-starts and the test's own process compile alike.
+The CPU defaults that ``python -m jaxtrain.train`` adds (``jaxtrain.runtime.xla_flags.CPU_FLAGS``)
+are here too, for the same reason: a trainer a test starts and the test's own process compile alike.
 """
-from jaxtrain.runtime.xla_flags import cpu_flags
+from jaxtrain.runtime.xla_flags import CPU_FLAGS
 
-FLAGS = " ".join(["--xla_backend_optimization_level=0", *(f"--{k}={v}" for k, v in cpu_flags().items())])
+FLAGS = " ".join(["--xla_backend_optimization_level=0", *(f"--{k}={v}" for k, v in CPU_FLAGS.items())])
 
 
 def with_devices(n: int) -> str:

@@ -29,6 +29,8 @@ def exit_now(code: int) -> None:
             stream.flush()
         except (OSError, ValueError):  # a closed pipe or stream: nothing more can reach it
             pass
+    if "jaxtrain.runtime.heartbeat" in sys.modules:  # a multi-process run's: process 0 may end once it is said
+        sys.modules["jaxtrain.runtime.heartbeat"].last_word()
     os._exit(code)
 
 

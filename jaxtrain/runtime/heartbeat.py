@@ -143,17 +143,27 @@ def finished() -> None:
         _heartbeat["current"].finished()
 
 
+RELEASE_GRACE_S = 0.5  # process 0 outlives the others' last word by this much (see end_run)
+
+
 def end_run() -> None:
-    """A multi-process run that ended normally: this process says it is done; process 0, which hosts
-    the coordination service, then waits (at most ``distributed.peer_timeout_s``) until every other
-    process is done too, so none loses the service while it finishes. JAX's own shutdown barrier at
-    exit is skipped: a peer that dies after the run's last save would abort the others inside it
-    (``Shutdown barrier has failed``), although nothing was lost."""
+    """A multi-process run that ended normally. Process 0 hosts the coordination service, and JAX's
+    client aborts a process that is still alive when the service goes (``Terminating process because
+    the JAX distributed service detected fatal errors``, signal 6), although its run ended. So the
+    others say they are done only as the last act of their exit (:func:`last_word`, after their exit
+    handlers), and process 0 says it at once, then waits (at most ``distributed.peer_timeout_s``)
+    until every other process has said it, and :data:`RELEASE_GRACE_S` more, the time a process
+    needs from its word to its end on a loaded machine. When the others said it here, before their
+    exit handlers, process 0 could end first: a 2-process test aborted with -6 that way on 2 cores.
+    JAX's own shutdown barrier at exit is skipped: a peer that dies after the run's last save would
+    abort the others inside it (``Shutdown barrier has failed``), although nothing was lost."""
     beat = _heartbeat["current"]
     if beat is None:
         return
-    beat.finished()
-    if beat.pid == 0:
+    if beat.pid != 0:
+        beat.ended = True  # its word waits for last_word()
+    else:
+        beat.finished()
         end = time.monotonic() + beat.timeout
         missing = []
         for p in range(1, beat.n):
@@ -165,8 +175,19 @@ def end_run() -> None:
             print(f"warning: process(es) {', '.join(map(str, missing))} of {beat.n} did not reach the end of the run "
                   f"within distributed.peer_timeout_s={beat.timeout:g} s after this one (their own logs say why)",
                   file=sys.stderr, flush=True)
+        else:
+            time.sleep(RELEASE_GRACE_S)
     from jax._src import api
     atexit.unregister(api.clean_up)  # its distributed.shutdown() is the barrier; the process ends next anyway
+
+
+def last_word() -> None:
+    """The last act of a process other than 0 whose run ended normally (:func:`end_run`), called by
+    ``jaxtrain.cli.common.exit_now`` after the exit handlers and the flush, just before ``os._exit``:
+    it says it is done, which lets process 0, and the coordination service with it, end."""
+    beat = _heartbeat["current"]
+    if beat is not None and getattr(beat, "ended", False):
+        beat.finished()
 
 
 def leave(code: int) -> None:

@@ -1,7 +1,12 @@
 """How long process 0 waits in jaxtrain.runtime.heartbeat.leave before it ends the coordination service
 (whose end aborts every other process): a peer whose heartbeat still beats gets up to
-distributed.peer_timeout_s (60 s at most), a silent one 5 s and a heartbeat interval. A fake
-coordination client records the waits instead of making them."""
+distributed.peer_timeout_s (60 s at most), a silent one 5 s and a heartbeat interval. At a normal
+end (end_run), the others say they are done only as their process's last act, after its exit
+handlers, and process 0 waits for that word. A fake coordination client records the waits instead of
+making them."""
+import subprocess
+import sys
+import textwrap
 import time
 from types import SimpleNamespace
 
@@ -61,3 +66,49 @@ def test_the_wait_for_a_beating_peer_is_60_s_at_most_and_one_that_left_ends_it(m
 def test_other_processes_only_say_they_leave(monkeypatch):
     client = leave(monkeypatch, 2, {0: 0.1}, timeout=30.0)
     assert client.set == {"jaxtrain/exit/2": "2"} and client.waits == {}
+
+
+class Beat:
+    """The parts of a Heartbeat that end_run and last_word use; ``finished`` says the word."""
+
+    def __init__(self, pid: int, client: Client, said: list):
+        self.pid, self.n, self.timeout, self.client, self.said = pid, 3, 30.0, client, said
+
+    def finished(self):
+        self.said.append(self.pid)
+
+
+def test_at_a_normal_end_the_others_say_done_last_and_process_0_waits_for_it(monkeypatch):
+    monkeypatch.setattr(heartbeat.atexit, "unregister", lambda fn: None)  # not this test process's handlers
+    slept = []
+    monkeypatch.setattr(heartbeat.time, "sleep", slept.append)
+    said: list = []
+    other = Beat(1, Client(set()), said)
+    monkeypatch.setitem(heartbeat._heartbeat, "current", other)
+    heartbeat.end_run()
+    assert said == []  # not yet: process 0 could end the service while this one still runs its exit handlers
+    heartbeat.last_word()
+    assert said == [1]
+    client = Client(gone={1, 2})
+    monkeypatch.setitem(heartbeat._heartbeat, "current", Beat(0, client, said))
+    heartbeat.end_run()
+    assert said == [1, 0] and set(client.waits) == {1, 2} and slept == [heartbeat.RELEASE_GRACE_S]
+    heartbeat.last_word()  # process 0 said it in end_run; a run that did not end normally says nothing here
+    assert said == [1, 0]
+
+
+def test_exit_now_says_the_last_word_after_the_exit_handlers():
+    code = textwrap.dedent("""
+        import atexit, sys
+        from jaxtrain.runtime import heartbeat
+        from jaxtrain.cli.common import exit_now
+        atexit.register(lambda: print("exit handler"))
+        heartbeat.last_word = lambda: sys.stderr.write("last word after: " + repr(sys.stdout.getvalue()) + "\\n")
+        import io
+        sys.stdout = io.StringIO()  # what was printed when the word is said: the exit handler's line too
+        print("row")
+        exit_now(3)
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert done.stderr.strip().endswith("last word after: 'row\\nexit handler\\n'")

@@ -59,6 +59,7 @@ class Heartbeat:
         self.timeout, self.count, self.stop = peer_timeout_s, 0, threading.Event()
         self.seen: dict[int, tuple[str, float]] = {}
         self.failing_since: Optional[float] = None
+        self.ended = False  # the run ended normally; a process other than 0 says so last (end_run, last_word)
         self.interval = max(0.5, min(5.0, peer_timeout_s / 6))
         self.thread = _every(self.interval, self.stop, self._tick, "jaxtrain-heartbeat")
 
@@ -186,7 +187,7 @@ def last_word() -> None:
     ``jaxtrain.cli.common.exit_now`` after the exit handlers and the flush, just before ``os._exit``:
     it says it is done, which lets process 0, and the coordination service with it, end."""
     beat = _heartbeat["current"]
-    if beat is not None and getattr(beat, "ended", False):
+    if beat is not None and beat.ended:
         beat.finished()
 
 

@@ -73,6 +73,7 @@ class Beat:
 
     def __init__(self, pid: int, client: Client, said: list):
         self.pid, self.n, self.timeout, self.client, self.said = pid, 3, 30.0, client, said
+        self.ended = False
 
     def finished(self):
         self.said.append(self.pid)

@@ -153,9 +153,10 @@ def end_run() -> None:
     the JAX distributed service detected fatal errors``, signal 6), although its run ended. So the
     others say they are done only as the last act of their exit (:func:`last_word`, after their exit
     handlers), and process 0 says it at once, then waits (at most ``distributed.peer_timeout_s``)
-    until every other process has said it, and :data:`RELEASE_GRACE_S` more, the time a process
-    needs from its word to its end on a loaded machine. When the others said it here, before their
-    exit handlers, process 0 could end first: a 2-process test aborted with -6 that way on 2 cores.
+    until every other process has said it, and :data:`RELEASE_GRACE_S` more: a margin (chosen, not
+    measured) for a process descheduled between its word and its ``os._exit`` on a loaded machine.
+    When the others said it here, before their exit handlers, process 0 could end first: a
+    2-process test aborted with -6 that way on 2 cores.
     JAX's own shutdown barrier at exit is skipped: a peer that dies after the run's last save would
     abort the others inside it (``Shutdown barrier has failed``), although nothing was lost."""
     beat = _heartbeat["current"]

@@ -177,7 +177,7 @@ class Program:
 
 
 def compiled(s: Any, name: str, fn: Callable, args: tuple, out_shardings: Callable[[Any], Any], *,
-             donate: int = 0, refs: Optional[dict] = None) -> Optional[Program]:
+             donate: int = 0, refs: Optional[dict] = None, options: Optional[dict] = None) -> Optional[Program]:
     """``fn`` (a jitted function) compiled for ``args`` (ShapeDtypeStructs with shardings) through
     its cached exported form, exported and stored first when there is none; None when the cache does
     not apply to ``s`` or the program cannot be exported (the caller compiles ``fn`` itself).
@@ -186,6 +186,8 @@ def compiled(s: Any, name: str, fn: Callable, args: tuple, out_shardings: Callab
       out_shardings: the output pytree of ShapeDtypeStructs -> its shardings (a matching pytree).
       donate: how many leading argument leaves are donated (the jit's donated arguments).
       refs: named tree structures the output may contain (``{'state': treedef}``).
+      options: XLA compiler options to compile with (``fn`` itself has none: ``jax.export`` traces it
+        inside another jit, where JAX refuses them).
     """
     if not applies(s):
         return None
@@ -212,7 +214,7 @@ def compiled(s: Any, name: str, fn: Callable, args: tuple, out_shardings: Callab
                                           [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in exp.out_avals])
     call = jax.jit(exp.call, in_shardings=tuple(x.sharding for x in leaves),
                    out_shardings=tuple(jax.tree_util.tree_leaves(out_shardings(shaped))),
-                   donate_argnums=tuple(range(donate)))
+                   donate_argnums=tuple(range(donate)), compiler_options=options or None)
     try:
         with _without_lapack(not calls_lapack(exp)):
             lowered = call.lower(*leaves)
@@ -294,9 +296,10 @@ def train_step(s: Any, state: Any, batch: Any) -> Any:
     from jax.sharding import NamedSharding, PartitionSpec
     step = s.fns.train_step
     replicated = NamedSharding(s.mesh, PartitionSpec())
-    program = compiled(s, "train_step", step.inner, (state, batch, step.hparams),
+    program = compiled(s, "train_step", step.plain, (state, batch, step.hparams),
                        lambda out: (s.fns.state_shardings, jax.tree_util.tree_map(lambda _: replicated, out[1])),
-                       donate=len(jax.tree_util.tree_leaves(state)), refs={"state": s.fns.state_structure})
+                       donate=len(jax.tree_util.tree_leaves(state)), refs={"state": s.fns.state_structure},
+                       options=s.fns.train_step_options)
     return None if program is None else type(step)(program, step.hparams)
 
 

@@ -16,6 +16,7 @@ master weights). Otherwise bf16 rounding swallows updates smaller than the weigh
 from __future__ import annotations
 
 import difflib
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -33,6 +34,7 @@ from jaxtrain.parallel.activations import activation_sharding
 from jaxtrain.parallel.pipeline import pipelined, schedule_of
 from jaxtrain.parallel.pipeline_1f1b import pipelined_loss
 from jaxtrain.parallel.rules import Rules, path_str, tree_shardings
+from jaxtrain.runtime.xla_flags import train_step_options
 from jaxtrain.train.model_spec import ModelSpec
 from jaxtrain.train.optimizer import applied_count, hyperparameters, learning_rate, optimizer
 
@@ -53,6 +55,7 @@ class StepFunctions:
     apply: Callable  # (params, inputs) -> model(inputs), e.g. logits [batch, length, vocab] for sampling
     model_dtypes: Any  # the params' pytree of the dtypes the model declares (the stored ones may be float32)
     low_precision: list  # paths of low-precision parameters trained without float32 masters (a warning)
+    train_step_options: dict  # the train step's own XLA compiler options (runtime.xla_flags.train_step_options)
 
     def model_params(self, params: Any) -> Any:
         """``params`` in the dtypes the model declares (e.g. bf16 for export), from float32 masters."""
@@ -67,8 +70,9 @@ class TrainStep:
     ``check(batch)``: run once, before the first call or lowering, outside any trace (a named error
     that needs the batch's shapes)."""
 
-    def __init__(self, inner: Any, hparams: dict, check: Optional[Callable] = None):
+    def __init__(self, inner: Any, hparams: dict, check: Optional[Callable] = None, plain: Any = None):
         self.inner, self.hparams, self.check = inner, hparams, check
+        self.plain = plain or inner  # the jitted step without its compiler options (jax.export traces it nested)
 
     def __call__(self, state, batch, hparams=None):
         if self.check is not None:
@@ -309,18 +313,20 @@ def build(cfg: Config, mesh: Mesh, rules: Rules, model_spec: ModelSpec) -> StepF
             loss, aux, grads = gradients(offload.for_forward(params, off), batch)
         return loss, aux, jax.lax.with_sharding_constraint(grads, param_sh)
 
+    options = train_step_options(mesh.devices.flat[0].platform)
+    jit_step = functools.partial(jax.jit, step_fn, in_shardings=(state_sh, batch_sh, replicated),
+                                 out_shardings=(state_sh, replicated), donate_argnums=(0,))
     return StepFunctions(
         state_shardings=state_sh, state_structure=state_structure, batch_sharding=batch_sh, param_axes=axes,
         init=jax.jit(init_fn, out_shardings=state_sh),
-        train_step=TrainStep(jax.jit(step_fn, in_shardings=(state_sh, batch_sh, replicated),
-                                     out_shardings=(state_sh, replicated), donate_argnums=(0,)),
-                             jax.device_put(h0, replicated), check_batch),
+        train_step=TrainStep(jit_step(compiler_options=options or None), jax.device_put(h0, replicated),
+                             check_batch, plain=jit_step() if options else None),
         grads=jax.jit(grads_fn, in_shardings=(stored_sh, batch_sh)),
         eval_step=jax.jit(eval_fn, in_shardings=(stored_sh, eval_sh), out_shardings=replicated),
         evaluate=jax.jit(evaluate, in_shardings=(stored_sh, batch_sh), out_shardings=replicated),
         # replicated output: every process can read the logits, also when a model axis spans processes
         apply=jax.jit(apply, in_shardings=(stored_sh, None), out_shardings=replicated),
-        model_dtypes=model_dtypes, low_precision=low_precision,
+        model_dtypes=model_dtypes, low_precision=low_precision, train_step_options=options,
     )
 
 

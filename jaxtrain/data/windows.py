@@ -105,14 +105,19 @@ def _decode_counting(raw: bytes) -> tuple[str, int]:
 
 
 def train_dataset(tokens: np.ndarray, seq_len: int, global_batch: int, seed: int) -> grain.MapDataset:
-    """Infinite ``MapDataset`` of [global_batch, seq_len + 1] int32 windows, reshuffled per epoch."""
-    n_windows = len(tokens) - seq_len
+    """Infinite ``MapDataset`` of [global_batch, seq_len + 1] int32 windows, reshuffled per epoch.
 
-    def window(i) -> np.ndarray:
-        return tokens[i:i + seq_len + 1]
+    The shuffled start positions are batched first and each batch is gathered with one fancy index
+    (the same windows in the same order, and the same ``next_index`` state, as a window per element
+    batched afterwards; ~0.13 against ~0.25 ms a shakespeare-char batch)."""
+    n_windows = len(tokens) - seq_len
+    offsets = np.arange(seq_len + 1)
+
+    def windows(starts) -> np.ndarray:
+        return tokens[np.asarray(starts)[:, None] + offsets]
 
     return (grain.MapDataset.range(n_windows).shuffle(seed=seed).repeat()
-            .map(window).batch(global_batch, drop_remainder=True))
+            .batch(global_batch, drop_remainder=True).map(windows))
 
 
 def val_batches(tokens: np.ndarray, seq_len: int, batch: int, n_batches: int, seed: int) -> np.ndarray:

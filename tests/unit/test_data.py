@@ -51,6 +51,25 @@ def test_windows_are_contiguous_and_deterministic():
     assert not all((np.asarray(ds[i]) == np.asarray(other[i])).all() for i in range(5))
 
 
+def test_batched_gather_gives_the_stream_and_state_of_a_window_per_element():
+    """The training stream as it was made before (one window per element, batched afterwards) must not
+    change: a saved data position resumes the same batches. 61 windows in batches of 4: 40 batches
+    cross three epoch boundaries, one of them inside a batch."""
+    import grain
+    tokens = np.arange(100, 200, dtype=np.int32)
+    per_element = (grain.MapDataset.range(61).shuffle(seed=3).repeat()
+                   .map(lambda i: tokens[i:i + 40]).batch(4, drop_remainder=True))
+    ds = windows.train_dataset(tokens, seq_len=39, global_batch=4, seed=3)
+    for i in range(40):
+        got, want = np.asarray(ds[i]), np.asarray(per_element[i])
+        assert got.dtype == want.dtype == np.int32 and np.array_equal(got, want), i
+    read = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+    a, b = iter(ds.to_iter_dataset(read)), iter(per_element.to_iter_dataset(read))
+    for _ in range(17):
+        next(a), next(b)
+    assert a.get_state() == b.get_state() == {"next_index": 17}
+
+
 def test_one_epoch_covers_every_window_once():
     tokens = np.arange(40, dtype=np.int32)
     ds = windows.train_dataset(tokens, seq_len=7, global_batch=1, seed=0)  # 33 windows

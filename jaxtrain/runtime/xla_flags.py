@@ -38,10 +38,10 @@ lowered program compiled both ways), the 8-device one (``mesh.data=4 mesh.tensor
 25M and 8-expert MoE steps 0.99x and 1.00x. It is an option of that one program, not a flag: the
 evaluation programs keep XLA's own reductions, because YNNPACK sums in another order when a batch
 dimension is added, and the grouped evaluation promises each batch the loss it gets alone, bit for
-bit. Not set where the user's ``XLA_FLAGS`` names the flag (:func:`users_flags`; the user's value
-then holds for every program) or names a flag file, with ``JAXTRAIN_XLA_CPU_FLAGS=0``, or on an
-Intel CPU, where it is not measured. The train step's float sums differ from those without it in
-the last bits.
+bit. Not set for a run of several processes, where the user's ``XLA_FLAGS`` names the flag
+(:func:`users_flags`; the user's value then holds for every program) or names a flag file, with
+``JAXTRAIN_XLA_CPU_FLAGS=0``, or on an Intel CPU, where it is not measured. The train step's float
+sums differ from those without it in the last bits.
 """
 from __future__ import annotations
 
@@ -155,17 +155,19 @@ def cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
 
 
 def train_step_options(platform: str, env: os._Environ | dict = os.environ,
-                       vendor: str | None = None) -> dict[str, str]:
+                       vendor: str | None = None, processes: int = 1) -> dict[str, str]:
     """The XLA compiler options of the train step alone (``jax.jit(..., compiler_options=...)``) on
     devices of ``platform`` (``cpu``, ``gpu``, ``tpu``): :data:`AMD_TRAIN_STEP_OPTIONS` on an AMD
     CPU (``vendor``; None: this machine's, :func:`cpu_vendor`), less every option the user's
     ``XLA_FLAGS`` names (:func:`users_flags`); nothing where ``XLA_FLAGS`` names a flag file or
-    ``JAXTRAIN_XLA_CPU_FLAGS=0`` (see the module docstring).
+    ``JAXTRAIN_XLA_CPU_FLAGS=0`` (see the module docstring), nor for a run of several ``processes``
+    (hosts of different CPU vendors would compile the step differently, and the state every process
+    holds a replica of could drift apart in the last bits).
 
     Raises:
       InputError: ``JAXTRAIN_XLA_CPU_FLAGS`` is neither ``0`` nor ``1``.
     """
-    if platform != "cpu" or not _wanted(env, CPU_OPT_OUT):
+    if platform != "cpu" or processes > 1 or not _wanted(env, CPU_OPT_OUT):
         return {}
     given = env.get("XLA_FLAGS", "")
     if is_flag_file(given) or (cpu_vendor() if vendor is None else vendor) != AMD:

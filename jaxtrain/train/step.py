@@ -313,7 +313,7 @@ def build(cfg: Config, mesh: Mesh, rules: Rules, model_spec: ModelSpec) -> StepF
             loss, aux, grads = gradients(offload.for_forward(params, off), batch)
         return loss, aux, jax.lax.with_sharding_constraint(grads, param_sh)
 
-    options = train_step_options(mesh.devices.flat[0].platform)
+    options = train_step_options(mesh.devices.flat[0].platform, processes=jax.process_count())
     jit_step = functools.partial(jax.jit, step_fn, in_shardings=(state_sh, batch_sh, replicated),
                                  out_shardings=(state_sh, replicated), donate_argnums=(0,))
     return StepFunctions(

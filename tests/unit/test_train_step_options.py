@@ -23,6 +23,7 @@ def test_the_options_follow_the_vendor_the_platform_and_the_users_flags(tmp_path
     assert xla_flags.train_step_options("cpu", ours, vendor="GenuineIntel") == {}
     assert xla_flags.train_step_options("cpu", ours, vendor="") == {}
     assert xla_flags.train_step_options("gpu", ours, vendor="AuthenticAMD") == {}
+    assert xla_flags.train_step_options("cpu", ours, vendor="AuthenticAMD", processes=2) == {}
     child = dict(ours)  # a process the trainer starts inherits both variables: still jaxtrain's default
     xla_flags.apply_cpu_defaults(child)
     assert child == ours and xla_flags.train_step_options("cpu", child, vendor="AuthenticAMD") == ONE

@@ -67,12 +67,14 @@ class TrainStep:
     third argument: ``step(state, batch)`` uses them, ``step(state, batch, hparams)`` others (a
     dict like ``optimizer.hyperparameters(cfg)``: the same compiled code). ``lower(...).compile()``
     keeps them bound; anything else (``as_text``, ``memory_analysis``) is the wrapped object's.
+    ``plain``: the same jitted step without its XLA compiler options, for ``jax.export`` (the program
+    cache), which traces it inside another jit, where JAX refuses them.
     ``check(batch)``: run once, before the first call or lowering, outside any trace (a named error
     that needs the batch's shapes)."""
 
     def __init__(self, inner: Any, hparams: dict, check: Optional[Callable] = None, plain: Any = None):
         self.inner, self.hparams, self.check = inner, hparams, check
-        self.plain = plain or inner  # the jitted step without its compiler options (jax.export traces it nested)
+        self.plain = inner if plain is None else plain  # without its compiler options (jax.export nests it)
 
     def __call__(self, state, batch, hparams=None):
         if self.check is not None:

@@ -84,9 +84,14 @@ def is_flag_file(xla_flags: str) -> bool:
     return bool(xla_flags.strip()) and not xla_flags.strip().startswith("--")
 
 
-def _named(xla_flags: str) -> set[str]:
-    """The flag names an ``XLA_FLAGS`` value sets (not text inside a value)."""
-    return set(re.findall(r"(?:^|\s)--(\w+)", xla_flags))
+def _values(xla_flags: str) -> dict[str, str]:
+    """``{name: value}`` of the flags an ``XLA_FLAGS`` value sets (names, not text inside a value)."""
+    return dict(re.findall(r"(?:^|\s)--(\w+)=?(\S*)", xla_flags))
+
+
+def _added(env: os._Environ | dict) -> set[str]:
+    """The names in ``env[ADDED]``."""
+    return set(filter(None, env.get(ADDED, "").split(",")))
 
 
 def with_defaults(xla_flags: str, defaults: dict[str, str]) -> str:
@@ -96,7 +101,7 @@ def with_defaults(xla_flags: str, defaults: dict[str, str]) -> str:
     it is (an appended flag would become part of the file's name)."""
     if is_flag_file(xla_flags):
         return xla_flags
-    given = _named(xla_flags)
+    given = _values(xla_flags)
     added = [f"--{name}={value}" for name, value in defaults.items() if name not in given]
     return " ".join([xla_flags.strip(), *added]).strip()
 
@@ -178,11 +183,8 @@ def train_step_options(platform: str, env: os._Environ | dict = os.environ,
 def users_flags(env: os._Environ | dict = os.environ) -> set[str]:
     """The flag names ``env['XLA_FLAGS']`` sets, less the defaults jaxtrain added there itself
     (:data:`ADDED`, inherited by the processes a trainer starts) that still hold jaxtrain's value."""
-    given = env.get("XLA_FLAGS", "")
-    ours = {**CPU_FLAGS, **GPU_FLAGS}
-    values = dict(re.findall(r"(?:^|\s)--(\w+)=?(\S*)", given))
-    added = set(env.get(ADDED, "").split(","))
-    return {n for n, v in values.items() if not (n in added and ours.get(n) == v)}
+    ours, added = {**CPU_FLAGS, **GPU_FLAGS}, _added(env)
+    return {n for n, v in _values(env.get("XLA_FLAGS", "")).items() if not (n in added and ours.get(n) == v)}
 
 
 def _update(env: os._Environ | dict, defaults: dict[str, str]) -> bool:
@@ -192,7 +194,7 @@ def _update(env: os._Environ | dict, defaults: dict[str, str]) -> bool:
     if is_flag_file(given):
         return False  # left to XLA as it is
     env["XLA_FLAGS"] = with_defaults(given, defaults)
-    added = set(filter(None, env.get(ADDED, "").split(","))) | (set(defaults) - _named(given))
+    added = _added(env) | (set(defaults) - set(_values(given)))
     if added:
         env[ADDED] = ",".join(sorted(added))
     return True

@@ -20,6 +20,9 @@ from typing import Callable, Optional
 
 REPO = Path(__file__).resolve().parent.parent
 HERE_RESULTS = REPO / "benchmarks" / "RESULTS.md"
+# The table of compare.py's rows and of step.py's (GPU) rows, which leave the torch columns empty.
+STEP_TABLE_HEADER = ("| date (UTC) | hardware | commit | config | jaxtrain tok/s | torch eager tok/s "
+                     "| torch.compile tok/s | vs eager | vs compile | of peak | jax compile s | notes |")
 sys.path.insert(0, str(REPO))
 
 

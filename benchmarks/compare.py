@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from _bench import REPO, append_result_row, commit, hardware, stats, write_json
+from _bench import REPO, STEP_TABLE_HEADER, append_result_row, commit, hardware, stats, write_json
 
 HERE = Path(__file__).resolve().parent
 CONFIGS = {  # name -> (config, overrides, timed steps per round)
@@ -110,9 +110,6 @@ def compare(label: str, config: str, overrides: list[str], impls: list[str], rou
     return out
 
 
-RESULTS_HEADER = ("| date (UTC) | hardware | commit | config | jaxtrain tok/s | torch eager tok/s "
-                  "| torch.compile tok/s | vs eager | vs compile | of peak | jax compile s | notes |")
-
 
 def results_row(res: dict, quick: bool) -> str:
     im = res["impls"]
@@ -171,7 +168,7 @@ def main(argv=None) -> int:
     write_json(args.json, {"hardware": hardware(), "commit": commit(), "results": results})
     if args.write_results:
         for res in results:
-            append_result_row(RESULTS_HEADER, results_row(res, args.quick))
+            append_result_row(STEP_TABLE_HEADER, results_row(res, args.quick))
         print(f"appended {len(results)} rows to {HERE / 'RESULTS.md'}")
     return 0
 

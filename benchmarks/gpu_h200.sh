@@ -16,12 +16,15 @@
 #   1. the 1.1B step with model.attention=auto (cuDNN on an H200), 30 steps, without jaxtrain's GPU XLA
 #      flags (JAXTRAIN_XLA_GPU_FLAGS=0): the MFU baseline;
 #   2. the same step with the flags (jaxtrain/runtime/xla_flags.py, the trainer's default on a GPU);
-#   3. the same step with the optimizer state in host memory (offload.optimizer=host) against the step
+#   3. the same step at global batch 16 (does a larger step raise the MFU?), 20 steps;
+#   4. the same step with the optimizer state in host memory (offload.optimizer=host) against the step
 #      without it: step time and device memory (benchmarks/offload.py, 10 steps each, one round);
-#   4. the same step with our Pallas (Triton) flash attention, 10 steps;
-#   5. the 25M config, 20 steps (a small-model row).
+#   5. the same step with our Pallas (Triton) flash attention, 10 steps;
+#   6. the 25M config, 20 steps (a small-model row);
+#   7-9. with time left: Triton GEMMs off, no remat, the 25M config in bf16.
+# `--only a,b` runs the named stages alone (a second, shorter lease).
 # CI lowers stage 1's step (with Pallas attention) for `cuda` on CPU: tests/test_gpu_lowering.py, and
-# stage 3's with offload: tests/unit/test_offload_lowering.py.
+# stage 4's with offload: tests/unit/test_offload_lowering.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
@@ -41,8 +44,14 @@ case "${1:-}" in
     shift
     JAX_PLATFORMS=cpu exec "$PY" benchmarks/step.py --config llama_1b_h200 --abstract "$@" ;;
 esac
-BUDGET=480
-if [[ "${1:-}" == "--budget" ]]; then BUDGET=$2; shift 2; fi
+BUDGET=480 ONLY=""
+while (( $# )); do
+  case "$1" in
+    --budget) BUDGET=$2; shift 2 ;;
+    --only) ONLY=",$2,"; shift 2 ;;  # comma-separated stage names, e.g. a second lease's leftovers
+    *) echo "gpu_h200.sh: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
 START=$(date +%s)
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }
 OUT=${OUT:-$REPO/benchmarks/out}
@@ -63,6 +72,12 @@ for name in ("pydantic", "grain", "array_record", "google_crc32c", "jaxtrain.mod
         missing.append(f"{name}: {type(err).__name__}: {err}")
 d = jax.devices()[0]
 print(f"devices: {len(jax.devices())} x {d.device_kind} ({d.platform}), jax {jax.__version__}")
+from importlib import metadata
+for dist in ("jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "pydantic", "numpy"):
+    try:
+        print(f"{dist} {metadata.version(dist)}")
+    except metadata.PackageNotFoundError:
+        print(f"{dist} not installed")
 if missing:
     raise SystemExit("gpu_h200.sh: cannot import\n  " + "\n  ".join(missing) + "\n(run --fetch-wheels here and carry .whl)")
 if d.platform != "gpu":
@@ -72,6 +87,7 @@ export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}
 
 stage() {  # name, minimum seconds worth starting with, then the script's arguments ($SCRIPT, default step.py)
   local name=$1 need=$2 script=${SCRIPT:-benchmarks/step.py}; shift 2
+  if [[ -n "$ONLY" && "$ONLY" != *",$name,"* ]]; then return 0; fi
   local t; t=$(left)
   if (( t < need )); then echo "skip $name: ${t}s left of the ${BUDGET}s budget" | tee -a "$OUT/stages.txt"; return 0; fi
   echo "stage $name (${t}s left)" | tee -a "$OUT/stages.txt"
@@ -84,8 +100,16 @@ stage() {  # name, minimum seconds worth starting with, then the script's argume
 }
 JAXTRAIN_XLA_GPU_FLAGS=0 stage llama_1b_auto 180 --config llama_1b_h200 --steps 30 --warmup 3 data.path=stdlib
 stage llama_1b_gpu_flags 150 --config llama_1b_h200 --steps 30 --warmup 3 data.path=stdlib
+stage llama_1b_batch16 150 --config llama_1b_h200 --steps 20 --warmup 3 data.path=stdlib train.global_batch=16
 SCRIPT=benchmarks/offload.py stage llama_1b_offload 200 --config llama_1b_h200 --variants none,optimizer --rounds 1 \
   --steps 10 --warmup 2 data.path=stdlib
 stage llama_1b_pallas 150 --config llama_1b_h200 --steps 10 --warmup 2 data.path=stdlib model.attention=pallas
 stage llama_25m 60 --config llama_25m --steps 20 --warmup 3 data.path=stdlib data.tokenizer=byte
+# With time left: MaxText's a3 recipes also turn XLA's Triton GEMMs off (cuBLAS for every matmul);
+# the step without remat; the small model in bf16.
+XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_triton_gemm=false" \
+  stage llama_1b_triton_gemm_off 120 --config llama_1b_h200 --steps 20 --warmup 3 data.path=stdlib
+stage llama_1b_no_remat 120 --config llama_1b_h200 --steps 20 --warmup 3 data.path=stdlib model.remat=none
+stage llama_25m_bf16 60 --config llama_25m --steps 20 --warmup 3 data.path=stdlib data.tokenizer=byte \
+  model.dtype=bfloat16
 echo "results in $OUT"

@@ -21,7 +21,10 @@
 #      without it: step time and device memory (benchmarks/offload.py, 10 steps each, one round);
 #   5. the same step with our Pallas (Triton) flash attention, 10 steps;
 #   6. the 25M config, 20 steps (a small-model row);
-#   7-9. with time left: Triton GEMMs off, no remat, the 25M config in bf16.
+#   7-9. with time left: Triton GEMMs off, no remat, the 25M config in bf16;
+#   10-11. the trainer: README's default run, and crash trials (SIGKILL, resume, losses bit for bit);
+#   12-14. a 0.43B MoE, dropless and capacity, against the dense model of its active parameters;
+#   15. that MoE's expert layer alone (benchmarks/moe_kernels.py): which grouped matmul is fastest.
 # `--only a,b` runs the named stages alone (a second, shorter lease).
 # CI lowers stage 1's step (with Pallas attention) for `cuda` on CPU: tests/test_gpu_lowering.py, and
 # stage 4's with offload: tests/unit/test_offload_lowering.py.
@@ -85,18 +88,21 @@ if d.platform != "gpu":
 PYEOF
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}
 
-stage() {  # name, minimum seconds worth starting with, then the script's arguments ($SCRIPT, default step.py)
-  local name=$1 need=$2 script=${SCRIPT:-benchmarks/step.py}; shift 2
+run_stage() {  # name, minimum seconds worth starting with, then a command; its output to $OUT/name.log
+  local name=$1 need=$2; shift 2
   if [[ -n "$ONLY" && "$ONLY" != *",$name,"* ]]; then return 0; fi
   local t; t=$(left)
   if (( t < need )); then echo "skip $name: ${t}s left of the ${BUDGET}s budget" | tee -a "$OUT/stages.txt"; return 0; fi
   echo "stage $name (${t}s left)" | tee -a "$OUT/stages.txt"
   local rc=0
-  timeout $(( t - 10 )) "$PY" "$script" --json "$OUT/$name.json" --write-results "$@" \
-    > "$OUT/$name.log" 2>&1 || rc=$?
+  timeout $(( t - 10 )) "$@" > "$OUT/$name.log" 2>&1 || rc=$?
   tail -n 20 "$OUT/$name.log"
   echo "stage $name: rc $rc" | tee -a "$OUT/stages.txt"
   cp benchmarks/RESULTS.md "$OUT/RESULTS.md"
+}
+stage() {  # name, minimum seconds, then the script's arguments ($SCRIPT, default step.py)
+  local name=$1 need=$2 script=${SCRIPT:-benchmarks/step.py}; shift 2
+  run_stage "$name" "$need" "$PY" "$script" --json "$OUT/$name.json" --write-results "$@"
 }
 JAXTRAIN_XLA_GPU_FLAGS=0 stage llama_1b_auto 180 --config llama_1b_h200 --steps 30 --warmup 3 data.path=stdlib
 stage llama_1b_gpu_flags 150 --config llama_1b_h200 --steps 30 --warmup 3 data.path=stdlib
@@ -112,4 +118,19 @@ XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_triton_gemm=false" \
 stage llama_1b_no_remat 120 --config llama_1b_h200 --steps 20 --warmup 3 data.path=stdlib model.remat=none
 stage llama_25m_bf16 60 --config llama_25m --steps 20 --warmup 3 data.path=stdlib data.tokenizer=byte \
   model.dtype=bfloat16
+# The trainer itself on the GPU: README's default run (on the stdlib corpus: shared/ does not travel),
+# then SIGKILL crash trials (async Orbax saves, resume, every loss equal to an uninterrupted run's).
+run_stage trainer_default 90 "$PY" -m jaxtrain.train data.path=stdlib run.progress=false run.dir=/tmp/jaxtrain-default
+run_stage crash_trials 120 "$PY" benchmarks/crash_trials.py --trials 4 --steps 12 --data stdlib
+# A 0.43B Mixtral-style MoE (8 experts of d_ff 2048, top-2, 8 layers of d_model 1024, seq 1024, bf16)
+# dropless (grouped GEMMs: ragged_dot) and with capacity routing, against the dense model of the same
+# active parameters (d_ff 4096).
+MOE=(data.path=stdlib data.tokenizer=byte data.seq_len=1024 train.global_batch=16 model.dtype=bfloat16
+     model.d_model=1024 model.n_layers=8 model.n_heads=16 model.n_kv_heads=8)
+stage moe_dropless 90 --config moe_shakespeare --steps 20 --warmup 3 "${MOE[@]}" model.d_ff=2048
+stage moe_capacity 70 --config moe_shakespeare --steps 20 --warmup 3 "${MOE[@]}" model.d_ff=2048 model.routing=capacity
+stage moe_dense 60 --config shakespeare_char --steps 20 --warmup 3 "${MOE[@]}" model.d_ff=4096
+# Its expert layer alone, forward and backward: ragged_dot, the CPU's windows, batched buffers, per-expert.
+run_stage moe_kernels 90 "$PY" benchmarks/moe_kernels.py --rounds 3 --iters 10 --shape 16384,1024,2048,8,2 \
+  --dtype bfloat16 --write-results
 echo "results in $OUT"

@@ -1,6 +1,7 @@
 """The routed experts' matmuls on XLA:CPU against the dense SwiGLU of the same active parameters.
 
     python benchmarks/moe_kernels.py [--rounds 5] [--iters 20] [--write-results] [--quick]
+                                     [--shape T,D,F,E,K] [--dtype bfloat16]
 
 What bounds a dropless MoE step on CPU, one layer's experts at a time. The shapes are
 ``configs/moe_shakespeare.yaml`` at global batch 16: T = 1024 tokens of d_model 128, 8 experts of
@@ -59,9 +60,9 @@ def balanced_routing(tokens: int, n_exp: int, k: int, seed: int = 0) -> np.ndarr
     return ((first[:, None] + np.arange(k)[None, :]) % n_exp).reshape(-1).astype(np.int32)
 
 
-def expert_cases(expert: np.ndarray) -> dict[str, Callable]:
+def expert_cases(expert: np.ndarray, n_exp: int = N_EXP) -> dict[str, Callable]:
     """name -> f(rows [M, D], wg [E, D, F], wu, wd [E, F, D]) -> [M, D] (each row through its expert)."""
-    n_exp, m = N_EXP, expert.shape[0]
+    m = expert.shape[0]
     order = np.argsort(expert, kind="stable")  # static: the routing is fixed for the benchmark
     sizes = np.bincount(expert, minlength=n_exp)
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
@@ -99,26 +100,30 @@ def grad_fn(fn: Callable, tok_of_row=None) -> Callable:
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
 
 
-def build(seed: int = 0) -> tuple[dict[str, tuple[Callable, tuple]], dict[str, float]]:
+def build(seed: int = 0, shape: tuple[int, ...] = (TOKENS, D_MODEL, D_FF, N_EXP, TOP_K),
+          dtype: str = "float32") -> tuple[dict[str, tuple[Callable, tuple]], dict[str, float]]:
     """The timed cases (name -> (jitted fwd+bwd, args)) and each expert case's largest relative
-    gradient difference from the per-expert 2-D reference."""
+    gradient difference from the per-expert 2-D reference. ``shape`` is (tokens, d_model, d_ff,
+    experts, top_k)."""
+    tokens, d_model, d_ff, n_exp, top_k = shape
     rng = np.random.default_rng(seed)
-    arr = lambda *s, scale=1.0: jnp.asarray(rng.standard_normal(s) * scale, jnp.float32)  # noqa: E731
-    x = arr(TOKENS, D_MODEL)
-    dense_w = (arr(D_MODEL, TOP_K * D_FF, scale=0.05), arr(D_MODEL, TOP_K * D_FF, scale=0.05),
-               arr(TOP_K * D_FF, D_MODEL, scale=0.05))
-    exp_w = (arr(N_EXP, D_MODEL, D_FF, scale=0.05), arr(N_EXP, D_MODEL, D_FF, scale=0.05),
-             arr(N_EXP, D_FF, D_MODEL, scale=0.05))
-    expert = balanced_routing(TOKENS, N_EXP, TOP_K, seed)
-    tok = jnp.asarray(np.arange(TOKENS * TOP_K) // TOP_K)
+    arr = lambda *s, scale=1.0: jnp.asarray(rng.standard_normal(s) * scale, dtype)  # noqa: E731
+    x = arr(tokens, d_model)
+    dense_w = (arr(d_model, top_k * d_ff, scale=0.05), arr(d_model, top_k * d_ff, scale=0.05),
+               arr(top_k * d_ff, d_model, scale=0.05))
+    exp_w = (arr(n_exp, d_model, d_ff, scale=0.05), arr(n_exp, d_model, d_ff, scale=0.05),
+             arr(n_exp, d_ff, d_model, scale=0.05))
+    expert = balanced_routing(tokens, n_exp, top_k, seed)
+    tok = jnp.asarray(np.arange(tokens * top_k) // top_k)
     cases = {"dense 2-D": (grad_fn(swiglu), (x, *dense_w))}
-    for name, fn in expert_cases(expert).items():
+    for name, fn in expert_cases(expert, n_exp).items():
         cases[name] = (grad_fn(fn, tok), (x, *exp_w))
     ref = cases["per-expert 2-D"][0](*cases["per-expert 2-D"][1])
     diffs = {}
     for name in list(cases)[1:]:
         got = cases[name][0](*cases[name][1])
-        diffs[name] = max(float(jnp.max(jnp.abs(g - r)) / jnp.max(jnp.abs(r))) for g, r in zip(got, ref))
+        diffs[name] = max(float(jnp.max(jnp.abs(g.astype(jnp.float32) - r)) / jnp.max(jnp.abs(r)))
+                          for g, r in zip(got, (r.astype(jnp.float32) for r in ref)))
     return cases, diffs
 
 
@@ -138,11 +143,22 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=20, help="timed calls per case and round")
     p.add_argument("--write-results", action="store_true")
     p.add_argument("--quick", action="store_true", help="1 round of 2 calls: checks the plumbing")
+    p.add_argument("--shape", default=f"{TOKENS},{D_MODEL},{D_FF},{N_EXP},{TOP_K}",
+                   help="tokens,d_model,d_ff,experts,top_k (tokens * top_k divisible by experts)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     a = p.parse_args(argv)
     if a.rounds < 1 or a.iters < 1:
         p.error("--rounds and --iters: at least 1")
+    try:
+        shape = tuple(int(v) for v in a.shape.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 5 or min(shape) < 1 or (shape[0] * shape[4]) % shape[3]:
+        p.error(f"--shape {a.shape!r}: five positive integers tokens,d_model,d_ff,experts,top_k with "
+                "tokens * top_k divisible by experts")
+    tokens, _, _, n_exp, top_k = shape
     rounds, iters = (1, 2) if a.quick else (a.rounds, a.iters)
-    cases, diffs = build()
+    cases, diffs = build(shape=shape, dtype=a.dtype)
     for fn, args in cases.values():  # compile and warm up
         jax.block_until_ready(fn(*args))
     medians: dict[str, list[float]] = {name: [] for name in cases}
@@ -152,8 +168,12 @@ def main(argv=None) -> int:
         print(f"round {r + 1}/{rounds}: " + ", ".join(f"{n} {1e3 * m[-1]:.2f} ms" for n, m in medians.items()),
               flush=True)
     dense = statistics.median(medians["dense 2-D"])
-    print(f"\n{hardware()}: one layer's SwiGLU, forward and backward ({TOKENS} tokens, {N_EXP} experts, "
-          f"top-{TOP_K})")
+    dev = jax.devices()[0]
+    where = hardware() + ("" if dev.platform == "cpu" else f"; {dev.device_kind}")
+    default = shape == (TOKENS, D_MODEL, D_FF, N_EXP, TOP_K) and a.dtype == "float32"
+    label = "" if default else f" [{a.shape}, {a.dtype}]"
+    print(f"\n{where}: one layer's SwiGLU, forward and backward ({tokens} tokens, {n_exp} experts, "
+          f"top-{top_k}){label}")
     print(f"{'case':20s} {'ms':>8s} {'vs dense':>9s} {'max rel. diff':>14s}")
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
     rows = []
@@ -161,7 +181,7 @@ def main(argv=None) -> int:
         ms = 1e3 * statistics.median(medians[name])
         diff = f"{diffs[name]:.1e}" if name in diffs else "-"
         print(f"{name:20s} {ms:8.2f} {ms / (1e3 * dense):8.2f}x {diff:>14s}")
-        rows.append(f"| {date} | {hardware()} | {commit()} | {name}{' (quick)' if a.quick else ''} | {ms:.2f} | "
+        rows.append(f"| {date} | {where} | {commit()} | {name}{label}{' (quick)' if a.quick else ''} | {ms:.2f} | "
                     f"{ms / (1e3 * dense):.2f}x | {diff} |")
     if a.write_results:
         append_result_rows(HEADER, rows, INTRO)

@@ -23,7 +23,8 @@
 #   6. the 25M config, 20 steps (a small-model row);
 #   7-9. with time left: Triton GEMMs off, no remat, the 25M config in bf16;
 #   10-11. the trainer: README's default run, and crash trials (SIGKILL, resume, losses bit for bit);
-#   12-14. a 0.43B MoE, dropless and capacity, against the dense model of its active parameters;
+#   12-14. a 0.43B MoE, dropless (ragged_dot, then model.grouped_matmul=blocks) and capacity, against
+#      the dense model of its active parameters;
 #   15. that MoE's expert layer alone (benchmarks/moe_kernels.py): which grouped matmul is fastest.
 # `--only a,b` runs the named stages alone (a second, shorter lease).
 # CI lowers stage 1's step (with Pallas attention) for `cuda` on CPU: tests/test_gpu_lowering.py, and
@@ -128,6 +129,8 @@ run_stage crash_trials 120 "$PY" benchmarks/crash_trials.py --trials 4 --steps 1
 MOE=(data.path=stdlib data.tokenizer=byte data.seq_len=1024 train.global_batch=16 model.dtype=bfloat16
      model.d_model=1024 model.n_layers=8 model.n_heads=16 model.n_kv_heads=8)
 stage moe_dropless 90 --config moe_shakespeare --steps 20 --warmup 3 "${MOE[@]}" model.d_ff=2048
+stage moe_dropless_blocks 90 --config moe_shakespeare --steps 20 --warmup 3 "${MOE[@]}" model.d_ff=2048 \
+  model.grouped_matmul=blocks
 stage moe_capacity 70 --config moe_shakespeare --steps 20 --warmup 3 "${MOE[@]}" model.d_ff=2048 model.routing=capacity
 stage moe_dense 60 --config shakespeare_char --steps 20 --warmup 3 "${MOE[@]}" model.d_ff=4096
 # Its expert layer alone, forward and backward: ragged_dot, the CPU's windows, batched buffers, per-expert.

@@ -18,6 +18,8 @@ backward (the gradient of sum(y^2) with respect to the tokens and the three weig
                       as GPU and TPU run it (on CPU jaxtrain's capacity path runs per-expert 2-D)
   dropless windows    jaxtrain's CPU dropless path (``jaxtrain.kernels.grouped_cpu``): copies
                       sorted by expert, one 2-D SwiGLU per window of w rows inside one group
+  dropless blocks     the same windows as blocks of one batched matmul, with each block's expert
+                      weights gathered (``jaxtrain.kernels.grouped_blocks``)
   ragged_dot          ``jax.lax.ragged_dot`` on the sorted copies, which XLA:CPU expands into
                       one masked dense matmul per expert (E x the FLOPs)
 
@@ -39,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from _bench import append_result_rows, commit, hardware
 
+from jaxtrain.kernels.grouped_blocks import blocked_swiglu
 from jaxtrain.kernels.grouped_cpu import windowed_swiglu
 
 TOKENS, D_MODEL, D_FF, N_EXP, TOP_K = 1024, 128, 192, 8, 2
@@ -81,6 +84,9 @@ def expert_cases(expert: np.ndarray, n_exp: int = N_EXP) -> dict[str, Callable]:
     def windows(rows, wg, wu, wd):
         return windowed_swiglu(rows, jnp.asarray(expert), wg, wu, wd)
 
+    def blocks(rows, wg, wu, wd):
+        return blocked_swiglu(rows, jnp.asarray(expert), wg, wu, wd)
+
     def ragged(rows, wg, wu, wd):
         group = jnp.asarray(sizes, jnp.int32)
         xs = rows[order]
@@ -89,7 +95,7 @@ def expert_cases(expert: np.ndarray, n_exp: int = N_EXP) -> dict[str, Callable]:
 
     assert sizes.min() == sizes.max() == m // n_exp, "the batched case needs balanced routing"
     return {"per-expert 2-D": per_expert, "batched [E, M/E]": batched, "dropless windows": windows,
-            "ragged_dot": ragged}
+            "dropless blocks": blocks, "ragged_dot": ragged}
 
 
 def grad_fn(fn: Callable, tok_of_row=None) -> Callable:

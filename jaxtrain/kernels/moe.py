@@ -46,20 +46,35 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain.errors import ShardingError
 from jaxtrain.kernels import target
+from jaxtrain.kernels.grouped_blocks import blocked_swiglu
 from jaxtrain.kernels.grouped_cpu import inverse_permutation, permute_rows, windowed_swiglu
 from jaxtrain.parallel import pipeline
 from jaxtrain.parallel.activations import active_sharding
 
+GROUPED = ("auto", "ragged_dot", "blocks", "windows")  # model.grouped_matmul
 
-def _grouped_swiglu(rows: jax.Array, expert: jax.Array, w_gate, w_up, w_down) -> jax.Array:
+
+def grouped_impl(grouped: str, backend: str) -> str:
+    """``model.grouped_matmul`` resolved: ``auto`` is ``windows`` on CPU and ``ragged_dot`` elsewhere."""
+    if grouped not in GROUPED:
+        raise ValueError(f"grouped matmul {grouped!r}: expected one of {', '.join(GROUPED)}")
+    return grouped if grouped != "auto" else ("windows" if backend == "cpu" else "ragged_dot")
+
+
+def _grouped_swiglu(rows: jax.Array, expert: jax.Array, w_gate, w_up, w_down, grouped: str = "auto") -> jax.Array:
     """rows [M, embed], expert [M] int32 in [0, E] (E = no expert: output 0) -> [M, embed].
 
-    Sorts the rows by expert and runs the SwiGLU as grouped matmuls over the groups: three
-    ``ragged_dot`` calls on GPU and TPU (grouped GEMM kernels), 2-D matmuls over windows of the
-    sorted rows on CPU (:func:`jaxtrain.kernels.grouped_cpu.windowed_swiglu`).
+    Sorts the rows by expert and runs the SwiGLU as grouped matmuls over the groups, as ``grouped``
+    says (:func:`grouped_impl`): three ``ragged_dot`` calls (grouped GEMM kernels where the backend
+    has them; XLA:CPU and, in JAX 0.11.2, XLA:GPU expand them into padded dense matmuls), 2-D
+    matmuls over windows of the sorted rows (:func:`jaxtrain.kernels.grouped_cpu.windowed_swiglu`),
+    or batched matmuls over blocks of them (:func:`jaxtrain.kernels.grouped_blocks.blocked_swiglu`).
     """
-    if target.backend() == "cpu":
+    impl = grouped_impl(grouped, target.backend())
+    if impl == "windows":
         return windowed_swiglu(rows, expert, w_gate, w_up, w_down)
+    if impl == "blocks":
+        return blocked_swiglu(rows, expert, w_gate, w_up, w_down)
     n_exp = w_gate.shape[0]
     order = jnp.argsort(expert, stable=True)
     sizes = jnp.bincount(expert, length=n_exp + 1)[:n_exp].astype(jnp.int32)
@@ -91,7 +106,7 @@ def _ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offset
     return output.at[dst.reshape(-1)].set(recv.reshape(ep * chunk, *operand.shape[1:]), mode="drop")
 
 
-def _dropless(x2, idx, w_gate, w_up, w_down, axis, ep: int) -> jax.Array:
+def _dropless(x2, idx, w_gate, w_up, w_down, axis, ep: int, grouped: str = "auto") -> jax.Array:
     """x2 [n, embed], idx [n, k] (global expert ids) -> expert outputs per copy [n, k, embed].
 
     With experts on ``ep`` devices: the copies, sorted by destination device, go out in one ragged
@@ -104,7 +119,7 @@ def _dropless(x2, idx, w_gate, w_up, w_down, axis, ep: int) -> jax.Array:
     # Each token's k copies side by side: a broadcast, whose transpose is a sum (a gather's is a scatter-add).
     copies = jnp.broadcast_to(x2[:, None], (n, k, x2.shape[1])).reshape(m, -1)
     if ep == 1:
-        return _grouped_swiglu(copies, e, w_gate, w_up, w_down).reshape(n, k, -1)
+        return _grouped_swiglu(copies, e, w_gate, w_up, w_down, grouped).reshape(n, k, -1)
     e_loc = w_gate.shape[0]  # experts on this device
     dest = e // e_loc
     order = jnp.argsort(dest, stable=True).astype(jnp.int32)  # copies grouped by destination device
@@ -118,7 +133,7 @@ def _dropless(x2, idx, w_gate, w_up, w_down, axis, ep: int) -> jax.Array:
         rows, jnp.full((ep * m, *rows.shape[1:]), fill, rows.dtype), in_off, sizes, out_off, recv_sizes, axis, m)
     rows = send(permute_rows(copies, order, inverse), 0)  # [ep * m, embed]
     expert = send((e % e_loc)[order][:, None].astype(jnp.int32), e_loc)[:, 0]  # e_loc: an empty row
-    out = _grouped_swiglu(rows, expert, w_gate, w_up, w_down)
+    out = _grouped_swiglu(rows, expert, w_gate, w_up, w_down, grouped)
     # Back: each source's rows from where they landed here to where they left it.
     back = _ragged_all_to_all(out, jnp.zeros((m, out.shape[1]), out.dtype), recv_off, recv_sizes,
                               jax.lax.all_to_all(in_off, axis, 0, 0, tiled=True), sizes, axis, m)
@@ -165,11 +180,11 @@ def _capacity(x, idx, slots, capacity: int, w_gate, w_up, w_down, axis, ep: int)
     return jnp.where(keep[..., None], out[idx, row, slot], 0)
 
 
-def _local(x, idx, combine, slots, w_gate, w_up, w_down, *, capacity, axis, ep, mlp_axes):
+def _local(x, idx, combine, slots, w_gate, w_up, w_down, *, capacity, axis, ep, mlp_axes, grouped="auto"):
     """The per-device computation (the whole thing on one device): [b, t, embed] -> same."""
     b, t, d = x.shape
     if capacity is None:
-        y = _dropless(x.reshape(b * t, d), idx.reshape(b * t, -1), w_gate, w_up, w_down, axis, ep)
+        y = _dropless(x.reshape(b * t, d), idx.reshape(b * t, -1), w_gate, w_up, w_down, axis, ep, grouped)
         y = y.reshape(b, t, -1, d)
     else:
         y = _capacity(x, idx, slots, capacity, w_gate, w_up, w_down, axis, ep)
@@ -232,7 +247,7 @@ def expert_layout(rules, mesh_shape, w_shape, x_shape):
 
 def routed_experts(x: jax.Array, idx: jax.Array, combine: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                    w_down: jax.Array, slots: Optional[jax.Array] = None,
-                   capacity: Optional[int] = None) -> jax.Array:
+                   capacity: Optional[int] = None, grouped: str = "auto") -> jax.Array:
     """Every token through its top-k experts, weighted: see the module docstring.
 
     Args:
@@ -242,6 +257,7 @@ def routed_experts(x: jax.Array, idx: jax.Array, combine: jax.Array, w_gate: jax
       slots: [batch, length, k] int32 slot of each copy in its expert's per-sequence buffer
         (capacity routing; copies with slot >= capacity are dropped), or None (dropless).
       capacity: slots per expert and sequence, or None (dropless).
+      grouped: the dropless grouped matmul, one of :data:`GROUPED` (:func:`grouped_impl`).
     Returns:
       [batch, length, embed] in x's dtype.
     Raises:
@@ -250,7 +266,7 @@ def routed_experts(x: jax.Array, idx: jax.Array, combine: jax.Array, w_gate: jax
         divisible by the devices on ``exp``.
     """
     active = active_sharding()
-    fn = dict(capacity=capacity)
+    fn = dict(capacity=capacity, grouped=grouped)
     if active is None:
         return _local(x, idx, combine, slots, w_gate, w_up, w_down, axis=None, ep=1, mlp_axes=(), **fn)
     rules, mesh = active

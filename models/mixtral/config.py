@@ -25,6 +25,9 @@ class MixtralConfig(LlamaConfig):
     top_k: int = 2
     routing: Literal["dropless", "capacity"] = "dropless"
     capacity_factor: float = 1.25
+    # Dropless routing's grouped matmul: auto (windows on CPU, ragged_dot elsewhere), ragged_dot,
+    # blocks (batched matmuls over blocks of sorted rows) or windows (2-D matmuls over them).
+    grouped_matmul: Literal["auto", "ragged_dot", "blocks", "windows"] = "auto"
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 0.001
 

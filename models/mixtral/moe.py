@@ -95,5 +95,6 @@ class MoE(nnx.Module):
             stats["dropped"] = jnp.zeros((), jnp.float32)
             idx = jnp.where(real_copies, idx, cfg.n_experts)  # expert E: no expert, never dispatched
         y = routed_experts(x, idx.astype(jnp.int32), combine, self.w_gate[...].astype(dt),
-                           self.w_up[...].astype(dt), self.w_down[...].astype(dt), slots, capacity)
+                           self.w_up[...].astype(dt), self.w_down[...].astype(dt), slots, capacity,
+                           cfg.grouped_matmul)
         return y, stats

@@ -83,6 +83,15 @@ def test_expert_parallel_losses_equal_one_device(routing, mesh, one_device, wind
     assert w == ["expert", "fsdp", "tensor"]  # [exp, embed, mlp]
 
 
+def test_expert_parallel_blocks_equal_one_device_windows(one_device, windows):
+    """model.grouped_matmul=blocks (batched matmuls over blocks, inside the expert-parallel shard_map)
+    trains like the 1-device dropless run on CPU's default windows."""
+    extra, reference = one_device("dropless")
+    rows, _, _ = train(make_cfg(MESHES["data2_expert4"], *extra, "model.grouped_matmul=blocks"), jax.devices(),
+                       windows)
+    np.testing.assert_allclose([r["loss"] for r in rows], reference, rtol=1e-4)
+
+
 def test_the_step_moves_tokens_by_all_to_all_and_gathers_no_expert_weight():
     from jaxtrain.analysis import collectives
     compiled, _ = setup(make_cfg(MESHES["expert8"]), jax.devices(), vocab=VOCAB).compile_abstract()

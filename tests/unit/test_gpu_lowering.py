@@ -26,14 +26,18 @@ def test_flash_attention_forward_and_backward_lower_for_cuda(shape, kv_heads):
     assert "jaxtrain_flash_bwd_dq" in text and "jaxtrain_flash_bwd_dkdv" in text
 
 
-@pytest.mark.parametrize("config, overrides, expect", [
+MOE_GPU = ["model.attention=pallas", "model.dtype=bfloat16", "data.path=stdlib", "data.tokenizer=byte"]
+
+
+@pytest.mark.parametrize("config, overrides, expect, absent", [
     # The one-H200 benchmark's 1.1B step with our Pallas attention: Triton kernels in the module.
-    ("llama_1b_h200", ["model.attention=pallas"], "jaxtrain_flash_fwd"),
-    # The MoE family's dropless experts: ragged_dot (grouped GEMM) on GPU, not the CPU windowed path.
-    ("moe_shakespeare", ["model.attention=pallas", "model.dtype=bfloat16", "data.path=stdlib",
-                         "data.tokenizer=byte"], "ragged"),
+    ("llama_1b_h200", ["model.attention=pallas"], "jaxtrain_flash_fwd", None),
+    # The MoE family's dropless experts: ragged_dot (grouped GEMM) on GPU, not the CPU windowed path;
+    # with model.grouped_matmul=blocks, batched matmuls and no ragged_dot.
+    ("moe_shakespeare", MOE_GPU, "ragged", None),
+    ("moe_shakespeare", [*MOE_GPU, "model.grouped_matmul=blocks"], "dot_general", "ragged"),
 ])
-def test_train_steps_lower_for_cuda(config, overrides, expect):
+def test_train_steps_lower_for_cuda(config, overrides, expect, absent):
     from jaxtrain import config as cfglib
     from jaxtrain.kernels.target import lowering_for
     from jaxtrain.train import setup
@@ -43,6 +47,7 @@ def test_train_steps_lower_for_cuda(config, overrides, expect):
         text = step.inner.trace(s.abstract_state(), s.abstract_batch(), step.hparams).lower(
             lowering_platforms=("cuda",)).as_text()
     assert expect in text and "__gpu$xla.gpu.triton" in text
+    assert absent is None or absent not in text
 
 
 def test_the_expert_parallel_moe_step_lowers_for_cuda_with_ragged_all_to_all():

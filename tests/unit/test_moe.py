@@ -6,6 +6,7 @@ drops a copy when its expert already holds ``capacity`` copies of the sequence, 
 choices in position order before second choices (GShard's priority).
 """
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -56,8 +57,9 @@ def layer(cfg, seed=0):
     return moe, x, ws
 
 
-def test_dropless_routing_and_outputs_equal_the_reference():
-    moe, x, ws = layer(CFG)
+@pytest.mark.parametrize("grouped", ["auto", "blocks", "ragged_dot"])
+def test_dropless_routing_and_outputs_equal_the_reference(grouped):
+    moe, x, ws = layer(CFG.model_copy(update={"grouped_matmul": grouped}))
     y, stats = jax.jit(lambda m, v: m(v))(moe, x)
     ref, dropped, chosen = reference(np.asarray(x, np.float64), *ws, CFG.top_k)
     np.testing.assert_allclose(np.asarray(y), ref, atol=1e-5, rtol=0)
@@ -109,10 +111,13 @@ def test_balanced_routing_gives_an_aux_loss_of_one():
     (300, [1.0, 0.0, 0.0, 0.0, 0.0]),  # every row to one expert: 5 windows of one group
     (100, [0.0, 0.0, 0.0, 0.0, 1.0]),  # no row has an expert: all zeros
 ], ids=["mixed", "multi-window", "one-expert", "none"])
-def test_the_cpu_windowed_grouped_matmul_equals_ragged_dot_values_and_gradients(n, share):
-    """Both paths in float32 against the ragged_dot path in float64: the windowed kernel's worst error
-    is at most 4x ragged_dot's own (the tolerance follows the summands' scale on this CPU: an Intel
-    Xeon's float32 gradients differ from an AMD EPYC's by up to 5e-3 here, both accurate)."""
+@pytest.mark.parametrize("kernel", ["windows", "blocks"])
+def test_the_windowed_and_blocked_grouped_matmuls_equal_ragged_dot_values_and_gradients(n, share, kernel):
+    """Each path in float32 against the ragged_dot path in float64: the windowed (or blocked) kernel's
+    worst error is at most 4x ragged_dot's own (the tolerance follows the summands' scale on this CPU:
+    an Intel Xeon's float32 gradients differ from an AMD EPYC's by up to 5e-3 here, both accurate).
+    The blocks are 32 rows here, so the busiest groups span several."""
+    from jaxtrain.kernels.grouped_blocks import blocked_swiglu
     from jaxtrain.kernels.grouped_cpu import windowed_swiglu
     rng = np.random.default_rng(0)
     rows = rng.normal(size=(n, 16))
@@ -128,6 +133,8 @@ def test_the_cpu_windowed_grouped_matmul_equals_ragged_dot_values_and_gradients(
         return jnp.zeros_like(ys).at[order].set(ys)
 
     def windowed(r, wg, wu, wd):
+        if kernel == "blocks":
+            return blocked_swiglu(r, expert, wg, wu, wd, rows_per_block=32)
         return windowed_swiglu(r, expert, wg, wu, wd)
 
     loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))  # noqa: E731
@@ -147,6 +154,28 @@ def test_the_cpu_windowed_grouped_matmul_equals_ragged_dot_values_and_gradients(
         assert ref_err <= 1e-4 * scale, (name, ref_err, scale)  # float32 itself is near the float64 values
     assert not np.asarray(windowed(jnp.asarray(rows, jnp.float32), *[jnp.asarray(w, jnp.float32) for w in ws]))[
         np.asarray(expert) == 4].any()  # rows without an expert: 0
+
+
+def test_block_rows_balance_weight_traffic_against_padding():
+    from jaxtrain.kernels.grouped_blocks import block_rows
+    # sqrt(500 * m / E) to the nearest power of two: 1431 -> 1024, 2024 -> 2048, 2862 -> 2048; clipped.
+    assert [block_rows(32768, 8), block_rows(65536, 8), block_rows(131072, 8)] == [1024, 2048, 2048]
+    assert [block_rows(64, 64), block_rows(1 << 30, 1)] == [64, 4096]
+
+
+def test_the_blocked_grouped_matmul_sums_nothing_by_scatter():
+    """Its outputs and row gradients are gathered from each row's one owning block and its weight
+    gradients summed by a one-hot matmul: no floating-point scatter-add (atomics on a GPU, so
+    run-to-run noise)."""
+    from jaxtrain.kernels.grouped_blocks import blocked_swiglu
+    rng = np.random.default_rng(3)
+    rows = jnp.asarray(rng.normal(size=(40, 8)), jnp.float32)
+    expert = jnp.asarray(rng.integers(0, 5, size=40), jnp.int32)
+    ws = [jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((4, 8, 12), (4, 8, 12), (4, 12, 8))]
+    loss = lambda *a: jnp.sum(blocked_swiglu(a[0], expert, *a[1:], rows_per_block=8) ** 2)  # noqa: E731
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(rows, *ws))
+    adds = re.findall(r"(\w+)\[[\d,]*\] = scatter-add", jaxpr)
+    assert adds and all(dtype.startswith("i") for dtype in adds), adds  # the bincount's integer counts only
 
 
 def test_permute_rows_equals_indexing_and_its_backward_is_a_gather():
@@ -218,6 +247,7 @@ def test_routing_keys_are_checked_and_named():
         ("model.capacity_factor=0", "model.capacity_factor: must be a finite number > 0, got 0.0"),
         ("model.capacity_factor=inf", "model.capacity_factor: must be a finite number > 0, got inf"),
         ("model.routing=tokens", "model.routing"),
+        ("model.grouped_matmul=megablox", "model.grouped_matmul"),
         ("model.aux_loss_weight=-1", "model.aux_loss_weight: must be >= 0, got -1.0"),
     ]:
         with pytest.raises(ConfigError) as e:

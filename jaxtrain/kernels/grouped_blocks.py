@@ -22,7 +22,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jaxtrain.kernels.grouped_cpu import _vary_alike, inverse_permutation, permute_rows
+from jaxtrain.kernels.grouped_cpu import _vary_alike, permute_rows, swiglu_grads, window_layout
 
 
 def block_rows(m: int, n_exp: int) -> int:
@@ -74,16 +74,13 @@ def _blocks_bwd(w, res, d_out):
     own = (jnp.arange(w)[None, :] < valid[:, None])[..., None]  # [blocks, w, 1]: the rows a block owns
     d_pad = jnp.concatenate([d_out, jnp.zeros((w, d), d_out.dtype)])
     dy = jnp.where(own, _gather_blocks(d_pad, start, w), 0)
-    sig = jax.nn.sigmoid(g)
-    dh = jnp.einsum("bwd,bfd->bwf", dy, wd)
-    du = dh * g * sig  # d/du of silu(g) * u
-    dg = dh * u * sig * (1 + g * (1 - sig))  # silu'(g) = sig * (1 + g * (1 - sig))
+    dg, du = swiglu_grads(jnp.einsum("bwd,bfd->bwf", dy, wd), g, u)
     one_hot = jax.nn.one_hot(owner, w_gate.shape[0], dtype=jnp.float32)  # [blocks, E]
 
     def per_expert(per_block, like):  # [blocks, ...] -> [E, ...]: each expert's blocks summed, in f32
         return jnp.einsum("be,b...->e...", one_hot, per_block, preferred_element_type=jnp.float32).astype(like.dtype)
 
-    d_down = per_expert(jnp.einsum("bwf,bwd->bfd", g * sig * u, dy), w_down)
+    d_down = per_expert(jnp.einsum("bwf,bwd->bfd", jax.nn.silu(g) * u, dy), w_down)
     d_gate = per_expert(jnp.einsum("bwd,bwf->bdf", xb, dg), w_gate)
     d_up = per_expert(jnp.einsum("bwd,bwf->bdf", xb, du), w_up)
     dxb = jnp.einsum("bwf,bdf->bwd", dg, wg) + jnp.einsum("bwf,bdf->bwd", du, wu)
@@ -106,29 +103,16 @@ def blocked_swiglu(rows: jax.Array, expert: jax.Array, w_gate: jax.Array, w_up: 
     Returns:
       [M, embed] in the rows' dtype; differentiable in rows and the weights.
     """
-    m, d = rows.shape
+    m = rows.shape[0]
     n_exp = w_gate.shape[0]
     w = rows_per_block or block_rows(m, n_exp)
-    n_blk = -(-m // w) + n_exp  # static bound: each group wastes less than one block
-    sizes = jnp.bincount(expert, length=n_exp + 1)[:n_exp]
-    wins = -(-sizes // w)  # blocks per expert
-    first = jnp.cumsum(wins) - wins  # each expert's first block
-    group_start = jnp.cumsum(sizes) - sizes
-    j = jnp.arange(n_blk)
-    owner = jnp.minimum(jnp.searchsorted(first + wins, j, side="right"), n_exp - 1)
-    k = j - first[owner]  # the block's index within its expert's group
-    start = jnp.clip(group_start[owner] + k * w, 0, m)
-    valid = jnp.where(j < (first + wins)[-1], jnp.clip(sizes[owner] - k * w, 0, w), 0)  # spare blocks: none
-    order = jnp.argsort(expert, stable=True).astype(jnp.int32)
-    inverse = inverse_permutation(order)
-    # Each sorted row's place in the flattened blocks: its expert's block k at offset i; no expert: the
-    # zero row past the blocks.
+    lay = window_layout(rows, expert, n_exp, w)  # the blocks are its windows
+    # Each sorted row's place in the flattened blocks: its expert's block pos // w at offset pos % w; no
+    # expert: the zero row past the blocks.
     e_sorted = jnp.sort(expert)
     e_c = jnp.minimum(e_sorted, n_exp - 1)
-    pos = jnp.arange(m) - group_start[e_c]
-    flat = jnp.where(e_sorted < n_exp, (first[e_c] + pos // w) * w + pos % w, n_blk * w)
-    xs = jnp.concatenate([permute_rows(rows, order, inverse), jnp.zeros((w, d), rows.dtype)])
-    xs, w_gate, w_up, w_down = _vary_alike(xs, w_gate, w_up, w_down)
-    out = _blocks(w, xs, start.astype(jnp.int32), valid.astype(jnp.int32), owner.astype(jnp.int32),
-                  flat.astype(jnp.int32), w_gate, w_up, w_down)
-    return permute_rows(out, inverse, order)
+    pos = jnp.arange(m) - lay.group_start[e_c]
+    flat = jnp.where(e_sorted < n_exp, (lay.first[e_c] + pos // w) * w + pos % w, lay.start.shape[0] * w)
+    xs, w_gate, w_up, w_down = _vary_alike(lay.xs, w_gate, w_up, w_down)
+    out = _blocks(w, xs, lay.start, lay.valid, lay.owner, flat.astype(jnp.int32), w_gate, w_up, w_down)
+    return permute_rows(out, lay.inverse, lay.order)

@@ -22,6 +22,7 @@ the expert-parallel dropless path (``jaxtrain.kernels.moe``) uses it on every ba
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -93,11 +94,8 @@ def _windows_bwd(w, res, d_out):
         e, keep = owner[b], _keep(valid[b], w)
         dy = jnp.where(keep, _slice(d_out, start[b], w), 0)  # rows this window does not own: no gradient
         x, g, u = _slice(xs, start[b], w), gates[b], ups[b]
-        sig = jax.nn.sigmoid(g)
-        dh = dy @ w_down[e].T
-        du = dh * g * sig  # d/du of silu(g) * u
-        dg = dh * u * sig * (1 + g * (1 - sig))  # silu'(g) = sig * (1 + g * (1 - sig))
-        d_down = d_down.at[e].add((g * sig * u).T @ dy)
+        dg, du = swiglu_grads(dy @ w_down[e].T, g, u)
+        d_down = d_down.at[e].add((jax.nn.silu(g) * u).T @ dy)
         d_gate = d_gate.at[e].add(x.T @ dg)
         d_up = d_up.at[e].add(x.T @ du)
         dx = dg @ w_gate[e].T + du @ w_up[e].T
@@ -139,6 +137,48 @@ def inverse_permutation(order: jax.Array) -> jax.Array:
     return jnp.zeros((m,), order.dtype).at[order].set(jnp.arange(m, dtype=order.dtype))
 
 
+class WindowLayout(NamedTuple):
+    """Windows of ``w`` sorted rows, each inside one expert's group ([windows] int32 unless said):
+    ``start`` (first sorted row), ``valid`` (rows it owns; 0 for a spare window), ``owner`` (its
+    expert); per expert ([E] int32): ``first`` (its first window) and ``group_start`` (its first row);
+    ``order``/``inverse`` ([M] int32): the sort by expert and its inverse; ``xs`` [M + w, embed]: the
+    sorted rows and ``w`` zero rows, since a window may run past the last row."""
+    start: jax.Array
+    valid: jax.Array
+    owner: jax.Array
+    first: jax.Array
+    group_start: jax.Array
+    order: jax.Array
+    inverse: jax.Array
+    xs: jax.Array
+
+
+def window_layout(rows: jax.Array, expert: jax.Array, n_exp: int, w: int) -> WindowLayout:
+    """Sorts rows [M, embed] by expert [M] (values in [0, n_exp]; n_exp: no expert, sorted last) and cuts
+    them into ``ceil(M / w) + n_exp`` windows, a static bound: each group wastes less than one window."""
+    m, d = rows.shape
+    sizes = jnp.bincount(expert, length=n_exp + 1)[:n_exp]
+    wins = -(-sizes // w)  # windows per expert
+    first = jnp.cumsum(wins) - wins
+    group_start = jnp.cumsum(sizes) - sizes
+    j = jnp.arange(-(-m // w) + n_exp)
+    owner = jnp.minimum(jnp.searchsorted(first + wins, j, side="right"), n_exp - 1)
+    k = j - first[owner]  # the window's index within its expert's group
+    start = jnp.clip(group_start[owner] + k * w, 0, m)
+    valid = jnp.where(j < (first + wins)[-1], jnp.clip(sizes[owner] - k * w, 0, w), 0)  # spare windows: none
+    order = jnp.argsort(expert, stable=True).astype(jnp.int32)
+    inverse = inverse_permutation(order)
+    xs = jnp.concatenate([permute_rows(rows, order, inverse), jnp.zeros((w, d), rows.dtype)])
+    i32 = lambda a: a.astype(jnp.int32)  # noqa: E731
+    return WindowLayout(i32(start), i32(valid), i32(owner), i32(first), i32(group_start), order, inverse, xs)
+
+
+def swiglu_grads(dh: jax.Array, g: jax.Array, u: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(d gate, d up) of ``silu(g) * u`` given its cotangent ``dh``; silu'(g) = sig * (1 + g * (1 - sig))."""
+    sig = jax.nn.sigmoid(g)
+    return dh * u * sig * (1 + g * (1 - sig)), dh * g * sig
+
+
 def windowed_swiglu(rows: jax.Array, expert: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                     w_down: jax.Array) -> jax.Array:
     """Each row through its expert's SwiGLU ``(silu(x w_gate[e]) * (x w_up[e])) w_down[e]``.
@@ -149,24 +189,9 @@ def windowed_swiglu(rows: jax.Array, expert: jax.Array, w_gate: jax.Array, w_up:
     Returns:
       [M, embed] in the rows' dtype; differentiable in rows and the weights.
     """
-    m, d = rows.shape
-    n_exp = w_gate.shape[0]
-    w = window_rows(m, n_exp)
-    n_win = -(-m // w) + n_exp  # static bound: each group wastes less than one window
-    sizes = jnp.bincount(expert, length=n_exp + 1)[:n_exp]
-    wins = -(-sizes // w)  # windows per expert
-    win_end = jnp.cumsum(wins)
-    group_start = jnp.cumsum(sizes) - sizes
-    j = jnp.arange(n_win)
-    owner = jnp.minimum(jnp.searchsorted(win_end, j, side="right"), n_exp - 1)
-    k = j - (win_end[owner] - wins[owner])  # the window's index within its expert's group
-    start = jnp.clip(group_start[owner] + k * w, 0, m)
-    valid = jnp.where(j < win_end[-1], jnp.clip(sizes[owner] - k * w, 0, w), 0)  # spare windows: none
-    order = jnp.argsort(expert, stable=True).astype(jnp.int32)
-    inverse = inverse_permutation(order)
-    # A window may run past the end of the sorted rows: w zero rows there.
-    xs = jnp.concatenate([permute_rows(rows, order, inverse), jnp.zeros((w, d), rows.dtype)])
-    xs, w_gate, w_up, w_down = _vary_alike(xs, w_gate, w_up, w_down)
-    out = _windows(w, xs, start.astype(jnp.int32), valid.astype(jnp.int32), owner.astype(jnp.int32),
-                   w_gate, w_up, w_down)
-    return permute_rows(out[:m], inverse, order)
+    m = rows.shape[0]
+    w = window_rows(m, w_gate.shape[0])
+    lay = window_layout(rows, expert, w_gate.shape[0], w)
+    xs, w_gate, w_up, w_down = _vary_alike(lay.xs, w_gate, w_up, w_down)
+    out = _windows(w, xs, lay.start, lay.valid, lay.owner, w_gate, w_up, w_down)
+    return permute_rows(out[:m], lay.inverse, lay.order)

@@ -240,8 +240,13 @@ def test_flops_per_token_count_the_active_parameters():
 
 
 def test_routing_keys_are_checked_and_named():
+    import typing
+
     from jaxtrain import config as cfglib
     from jaxtrain.errors import ConfigError
+    from jaxtrain.kernels.moe import GROUPED
+    # The schema's choices are the kernel's: a value the config accepts is one routed_experts runs.
+    assert typing.get_args(MixtralConfig.model_fields["grouped_matmul"].annotation) == GROUPED
     for override, message in [
         ("model.top_k=9", "model.top_k: 9 is more than model.n_experts=8"),
         ("model.capacity_factor=0", "model.capacity_factor: must be a finite number > 0, got 0.0"),

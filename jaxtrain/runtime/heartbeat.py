@@ -18,6 +18,7 @@ from typing import Callable, Optional
 
 from jaxtrain import errors
 from jaxtrain.errors import PEER_EXIT, InputError, JaxtrainError
+from jaxtrain.runtime import outlive
 
 EXIT_CODE = PEER_EXIT
 log = logging.getLogger("jaxtrain")
@@ -61,6 +62,7 @@ class Heartbeat:
         self.failing_since: Optional[float] = None
         self.ended = False  # the run ended normally; a process other than 0 says so last (end_run, last_word)
         self.interval = max(0.5, min(5.0, peer_timeout_s / 6))
+        outlive.announce(self.client, self.pid)  # where process 0 can watch this one end (end_run, leave)
         self.thread = _every(self.interval, self.stop, self._tick, "jaxtrain-heartbeat")
 
     def _tick(self, elapsed: float) -> bool:
@@ -144,19 +146,15 @@ def finished() -> None:
         _heartbeat["current"].finished()
 
 
-RELEASE_GRACE_S = 0.5  # process 0 outlives the others' last word by this much (see end_run)
-
-
 def end_run() -> None:
     """A multi-process run that ended normally. Process 0 hosts the coordination service, and JAX's
     client aborts a process that is still alive when the service goes (``Terminating process because
     the JAX distributed service detected fatal errors``, signal 6), although its run ended. So the
     others say they are done only as the last act of their exit (:func:`last_word`, after their exit
     handlers), and process 0 says it at once, then waits (at most ``distributed.peer_timeout_s``)
-    until every other process has said it, and :data:`RELEASE_GRACE_S` more: a margin (chosen, not
-    measured) for a process descheduled between its word and its ``os._exit`` on a loaded machine.
-    When the others said it here, before their exit handlers, process 0 could end first: a
-    2-process test aborted with -6 that way on 2 cores.
+    until every other process has said it, and until those have ended
+    (:func:`jaxtrain.runtime.outlive.outlive`). When the others said it here, before their exit
+    handlers, process 0 could end first: a 2-process test aborted with -6 that way on 2 cores.
     JAX's own shutdown barrier at exit is skipped: a peer that dies after the run's last save would
     abort the others inside it (``Shutdown barrier has failed``), although nothing was lost."""
     beat = _heartbeat["current"]
@@ -177,8 +175,7 @@ def end_run() -> None:
             print(f"warning: process(es) {', '.join(map(str, missing))} of {beat.n} did not reach the end of the run "
                   f"within distributed.peer_timeout_s={beat.timeout:g} s after this one (their own logs say why)",
                   file=sys.stderr, flush=True)
-        else:
-            time.sleep(RELEASE_GRACE_S)
+        outlive.outlive(beat.client, [p for p in range(1, beat.n) if p not in missing])
     from jax._src import api
     atexit.unregister(api.clean_up)  # its distributed.shutdown() is the barrier; the process ends next anyway
 
@@ -200,7 +197,8 @@ def leave(code: int) -> None:
     with the same code. Process 0 hosts the coordination service, whose end aborts every other
     process, so it waits until the others have left: a heartbeat interval and 5 s for a peer whose
     heartbeat is silent, and up to ``distributed.peer_timeout_s`` (60 s at most) for one still beating
-    (on two loaded cores a live peer took longer than 5 s to hear of it, and was aborted).
+    (on two loaded cores a live peer took longer than 5 s to hear of it, and was aborted), and then
+    until the ones that said it have ended (:func:`jaxtrain.runtime.outlive.outlive`).
     """
     sys.stdout.flush()
     sys.stderr.flush()
@@ -213,7 +211,7 @@ def leave(code: int) -> None:
         os._exit(code)
     if pid == 0:
         beat = _heartbeat["current"]
-        start = time.monotonic()
+        start, said = time.monotonic(), []
         interval = beat.interval if beat is not None else 5.0
         short = start + 5.0 + interval
         for p in range(1, state.num_processes):
@@ -225,8 +223,10 @@ def leave(code: int) -> None:
                 continue
             try:
                 client.blocking_key_value_get(f"jaxtrain/exit/{p}", wait_ms)
+                said.append(p)
             except Exception:  # noqa: BLE001 - not in time, or the store is gone: leaving anyway
                 pass
+        outlive.outlive(client, said)  # a peer between its word and its os._exit would be aborted
     os._exit(code)
 
 

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 from jax._src import distributed as jd
 
-from jaxtrain.runtime import heartbeat
+from jaxtrain.runtime import heartbeat, outlive
 
 
 class Client:
@@ -93,7 +93,7 @@ def test_at_a_normal_end_the_others_say_done_last_and_process_0_waits_for_it(mon
     client = Client(gone={1, 2})
     monkeypatch.setitem(heartbeat._heartbeat, "current", Beat(0, client, said))
     heartbeat.end_run()
-    assert said == [1, 0] and set(client.waits) == {1, 2} and slept == [heartbeat.RELEASE_GRACE_S]
+    assert said == [1, 0] and set(client.waits) == {1, 2} and slept == [outlive.GRACE_S]  # the fake store names no host
     heartbeat.last_word()  # process 0 said it in end_run; a run that did not end normally says nothing here
     assert said == [1, 0]
 
@@ -101,7 +101,7 @@ def test_at_a_normal_end_the_others_say_done_last_and_process_0_waits_for_it(mon
 def test_exit_now_says_the_last_word_after_the_exit_handlers():
     code = textwrap.dedent("""
         import atexit, sys
-        from jaxtrain.runtime import heartbeat
+        from jaxtrain.runtime import heartbeat, outlive
         from jaxtrain.cli.common import exit_now
         atexit.register(lambda: print("exit handler"))
         heartbeat.last_word = lambda: sys.stderr.write("last word after: " + repr(sys.stdout.getvalue()) + "\\n")

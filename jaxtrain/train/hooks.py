@@ -170,7 +170,8 @@ class NonFiniteGuard(Hook):
 class LogMetrics(Hook):
     """Every ``train.log_every`` steps (and the final one): one train row, the loop's only host sync.
 
-    ``step_time_s`` is the mean wall time per training step since the previous row, leaving out
+    ``step_time_s`` is the mean wall time per training step since the previous row was measured
+    (writing that row counts, as printing does in nanoGPT's per-iteration ``dt``), leaving out
     what the loop did besides training (evaluations, checkpoint saves: reported as their own
     ``eval_time_s`` and ``checkpoint_block_s``) and the compile (``compile_s``, on the first row);
     waiting for batches is part of it and shown as ``data_wait_s``, seconds per step.
@@ -206,7 +207,7 @@ class LogMetrics(Hook):
         m.pop("nonfinite")
         row.update({k: float(v) for k, v in m.items()})  # the loss's own metrics (aux)
         loop.write(rec.step, row)
-        self.t_last, self.s_last = time.perf_counter(), rec.step
+        self.t_last, self.s_last = now, rec.step  # writing this row is the next rows' time, as in nanoGPT's dt
         self.waited, self.paused, self.blocked = loop.data_wait_s, paused, loop.paused.get("checkpoint", 0.0)
         return row
 

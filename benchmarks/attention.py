@@ -2,7 +2,7 @@
 
     python benchmarks/attention.py                      # GPU: seq 2k/4k/8k, head_dim 128, bf16, causal
     python benchmarks/attention.py --cpu-smoke          # tiny sizes on CPU (Pallas in interpret mode)
-    python benchmarks/attention.py --cpu                # CPU: xla vs blockwise at the 25M config's shape
+    python benchmarks/attention.py --cpu                # CPU: xla vs blockwise vs cpu_fused at the 25M config's shape
     python benchmarks/attention.py --ring-memory        # per-device bytes, ring vs all-gathered K/V,
                                                         # 8k tokens on 8 simulated CPU devices
 
@@ -32,7 +32,7 @@ def parse(argv):
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, f32, xla + pallas (interpret)")
     p.add_argument("--cpu", action="store_true", help="llama_25m's shape (batch 8, 8 heads of 64, seq 64/256), "
-                   "f32, xla vs blockwise")
+                   "f32, xla vs blockwise vs cpu_fused")
     p.add_argument("--ring-memory", action="store_true", help="compiled memory of ring vs all-gather K/V")
     p.add_argument("--ring-seq", type=int, default=8192)
     p.add_argument("--ring-devices", type=int, default=8)
@@ -42,7 +42,7 @@ def parse(argv):
         args.dtype, args.impls, args.iters = "float32", "xla,pallas", 2
     if args.cpu:
         args.seqs, args.batch, args.heads, args.kv_heads, args.head_dim = "64,256", 8, 8, 8, 64
-        args.dtype, args.impls = "float32", "xla,blockwise"
+        args.dtype, args.impls = "float32", "xla,blockwise,cpu_fused"
     return args
 
 

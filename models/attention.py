@@ -9,14 +9,18 @@ when q_len != kv_len (see jaxtrain/kernels/reference.py).
 Implementations (``model.attention``):
   xla     ``jax.nn.dot_product_attention(implementation='xla')``; any backend.
   blockwise  causal self-attention by query blocks in plain jnp, skipping the masked key
-          blocks (jaxtrain/kernels/blockwise.py); any backend, the fast one on CPU.
+          blocks (jaxtrain/kernels/blockwise.py); any backend.
+  cpu_fused  causal self-attention as one fused XLA:CPU kernel built on first use with the
+          machine's C++ compiler (jaxtrain/kernels/cpu_fused.py); CPU, one device, length and
+          head_dim multiples of 16, no packed documents or window. The fast one on CPU.
   cudnn   ``jax.nn.dot_product_attention(implementation='cudnn')``; GPU only.
   pallas  our FlashAttention-2 kernels: Triton lowering on GPU, Mosaic on TPU, the GPU
           kernels in interpret mode on CPU (slow; for tests).
   ring    ring attention over the mesh axis that shards 'length' (jaxtrain/kernels/ring.py).
   auto    GPU: cudnn when its constraints hold (bf16/fp16, head_dim <= 128 and % 8 == 0,
           q_len == kv_len, no segment ids, no window), else pallas; TPU: pallas; CPU:
-          blockwise for causal self-attention whose length the rules do not shard, else xla.
+          cpu_fused where it applies and builds, else blockwise for causal self-attention whose
+          length the rules do not shard, else xla.
           The choice is logged once per distinct choice.
 """
 from __future__ import annotations
@@ -28,10 +32,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain.errors import AttentionBackendError
-from jaxtrain.kernels import blockwise, reference, ring, target
-from jaxtrain.parallel.activations import devices_along
+from jaxtrain.kernels import blockwise, cpu_fused, reference, ring, target
+from jaxtrain.parallel.activations import active_sharding, devices_along
 
-IMPLEMENTATIONS = ("auto", "xla", "blockwise", "cudnn", "pallas", "ring")
+IMPLEMENTATIONS = ("auto", "xla", "blockwise", "cpu_fused", "cudnn", "pallas", "ring")
 log = logging.getLogger("jaxtrain.attention")
 _logged: set = set()
 
@@ -40,6 +44,8 @@ def backend_problem(implementation: str, backend: str) -> Optional[str]:
     """Why ``implementation`` cannot run on ``backend`` ('cpu', 'gpu', 'tpu'), or None if it can."""
     if implementation == "cudnn" and backend != "gpu":
         return f"cudnn needs a GPU; the backend is '{backend}' (use auto, blockwise, xla or pallas)"
+    if implementation == "cpu_fused" and backend != "cpu":
+        return f"cpu_fused is an XLA:CPU kernel; the backend is '{backend}' (use auto)"
     return None
 
 
@@ -134,15 +140,41 @@ def choose(implementation: str, q, k, segment_ids=None, window=None, backend: Op
     elif length_split:
         choice, reason = "xla", f"backend {backend}, length sharded"
     else:
-        choice, reason = "blockwise", f"backend {backend}"
+        why = fused_problem(q, k, segment_ids, window)
+        choice, reason = ("cpu_fused", f"backend {backend}") if why is None else ("blockwise", why)
     if (choice, reason) not in _logged:
         _logged.add((choice, reason))
         log.info("model.attention=auto -> %s (%s)", choice, reason)
     return choice
 
 
-_FUNCTIONS = {"xla": xla_attention, "blockwise": blockwise_attention, "cudnn": cudnn_attention,
-              "pallas": pallas_attention, "ring": ring_attention}
+def fused_problem(q, k, segment_ids=None, window=None) -> Optional[str]:
+    """Why the fused CPU kernel cannot take this attention here, or None: its shapes and options,
+    more than one device (the trainer's mesh while it traces, else every device JAX has), or a
+    kernel that did not build. A custom call is opaque to XLA's partitioner, which would gather
+    its operands onto every device (and a pipeline's stages run under ``vmap``)."""
+    why = cpu_fused.shape_problem(q.shape, k.shape, True, segment_ids, window)
+    if why:
+        return f"cpu_fused: {why}"
+    active = active_sharding()
+    devices = active[1].size if active is not None else jax.device_count()
+    if devices > 1:
+        return f"cpu_fused: runs on one device, here {devices}"
+    why = cpu_fused.problem()
+    return None if why is None else f"cpu_fused: {why}"
+
+
+def fused_cpu_attention(q, k, v, segment_ids=None, causal=True, window=None):
+    """The fused XLA:CPU kernel (jaxtrain/kernels/cpu_fused.py)."""
+    why = fused_problem(q, k, segment_ids, window) if causal else "cpu_fused: only causal attention"
+    if why:
+        raise AttentionBackendError(f"model.attention=cpu_fused cannot run here: {why.removeprefix('cpu_fused: ')} "
+                                    f"(use auto or blockwise)")
+    return cpu_fused.fused_attention(q, k, v)
+
+
+_FUNCTIONS = {"xla": xla_attention, "blockwise": blockwise_attention, "cpu_fused": fused_cpu_attention,
+              "cudnn": cudnn_attention, "pallas": pallas_attention, "ring": ring_attention}
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Optional[jax.Array] = None,

@@ -96,11 +96,12 @@ def _ours(family: Any) -> bool:
 
 
 def sources() -> list[tuple[str, Path]]:
-    """(name inside its package, path) of every Python file of jaxtrain and its model families."""
+    """(name inside its package, path) of every Python and C++ source of jaxtrain and its model families."""
     import jaxtrain
     import jaxtrain.models
     roots = {"jaxtrain": Path(jaxtrain.__file__).parent, "jaxtrain.models": Path(jaxtrain.models.__file__).parent}
-    return sorted((f"{name}/{p.relative_to(r).as_posix()}", p) for name, r in roots.items() for p in r.rglob("*.py"))
+    return sorted((f"{name}/{p.relative_to(r).as_posix()}", p) for name, r in roots.items()
+                  for pattern in ("*.py", "*.cc") for p in r.rglob(pattern))
 
 
 def key(s: Any) -> str:
@@ -264,6 +265,13 @@ def calls_lapack(exp: Any) -> bool:
     return b"lapack_" in exp.mlir_module_serialized
 
 
+def uses_fused_kernel(exp: Any) -> bool:
+    """Whether an Exported calls jaxtrain's fused CPU attention (``jaxtrain.kernels.cpu_fused``), a
+    custom call jax.export does not vouch for: exported with that check disabled, and registered with
+    XLA before an entry that calls it is compiled."""
+    return b"jaxtrain_cpu_attention" in exp.mlir_module_serialized
+
+
 _skip_lapack = threading.local()
 _patch_lock = threading.Lock()
 
@@ -320,8 +328,10 @@ def _export(fn: Callable, args: tuple, leaves: list, refs: dict):
         outs.append(out)
         return tuple(jax.tree_util.tree_leaves(out))
 
+    from jaxtrain.kernels import cpu_fused
+    ours = [export.DisabledSafetyCheck.custom_call(name) for name in cpu_fused.TARGETS]  # see _load
     with _traced_lines() as lines:
-        exp = export.export(jax.jit(flat))(*leaves)
+        exp = export.export(jax.jit(flat), disabled_checks=ours)(*leaves)
     _encode(outs[0], refs)  # a structure that cannot be recorded is not exported
     return exp, outs[0], lines
 
@@ -388,6 +398,10 @@ def _load(entry: Path, name: str, leaves: list, refs: dict):
     if ([(tuple(a.shape), str(a.dtype)) for a in exp.in_avals] != given
             or len(exp.out_avals) != jax.tree_util.tree_structure(out).num_leaves):
         return None, None
+    if uses_fused_kernel(exp):  # its custom calls must be registered before it compiles
+        from jaxtrain.kernels import cpu_fused
+        if cpu_fused.problem() is not None:  # gone (no compiler now): traced again, for another attention
+            return None, None
     os.utime(entry)  # recently used: kept by _prune
     _say(meta.get("log", []))
     return exp, out

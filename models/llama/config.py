@@ -59,7 +59,7 @@ class LlamaConfig(ModelConfig):
     dtype: Literal["float32", "bfloat16"] = "float32"  # activation/compute dtype
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     # auto | xla | blockwise | cudnn | pallas | ring; see models/attention.py and README "Attention"
-    attention: Literal["auto", "xla", "blockwise", "cudnn", "pallas", "ring"] = "auto"
+    attention: Literal["auto", "xla", "blockwise", "cpu_fused", "cudnn", "pallas", "ring"] = "auto"
     init_std: float = 0.02
     scan_layers: bool = False  # stack the blocks and lax.scan over them (flat compile time in depth)
     remat: Literal["none", "full", "save_matmuls"] = "none"  # activation recompute per block

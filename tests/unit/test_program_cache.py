@@ -116,7 +116,7 @@ def test_a_loaded_program_says_the_lines_its_tracing_printed(small_cfg, cache, m
     import logging
 
     from jaxtrain.models import attention
-    said = "model.attention=auto -> blockwise (backend cpu)"
+    said = "model.attention=auto -> cpu_fused (backend cpu)"
     lines: list = []
     handler = logging.Handler()
     handler.emit = lambda r: lines.append(r.getMessage())

@@ -1,0 +1,334 @@
+// Causal softmax attention for XLA:CPU as two XLA FFI handlers (forward, backward), float32.
+//
+// Why: on a CPU, a short sequence's attention is many tiny batched matmuls (one per batch
+// element and head), which XLA runs at a fraction of the matmul rate; here each (batch, kv
+// head) pair is one task whose keys and values stay in L1/L2 while all its rows are done.
+// The algorithm is FlashAttention's (Dao et al. 2022; FlashAttention-2, Dao 2023): the forward
+// keeps the row's log-sum-exp, the backward recomputes the probabilities from it:
+//   P = exp(S - lse), dP = dO V^T, dS = P * (dP - rowsum(dO * O)), dQ = s dS K, dK = s dS^T Q, dV = P^T dO
+// with S = s Q K^T (s the softmax scale). Rows of a task are independent in the forward; in the
+// backward, dK and dV of a kv head are summed over its query heads (grouped-query attention)
+// inside the task, so no two tasks write the same memory.
+//
+// Per head, the [T, T] scores are computed in register tiles of 8 rows by 16 or 32 columns,
+// skipping the tiles above the causal diagonal; the softmax runs on each row in between. The
+// products over the key dimension (P V, dS K) stop at the row block's last visible key, and
+// those over the rows (dS^T Q, P^T dO) start at the key block's first row.
+//
+// Layouts (row-major, float32): q, o, dq [B, T, H, D]; k, v, dk, dv [B, T, KVH, D]; lse [B, H, T].
+// T and D must be multiples of 16. Tasks are spread over XLA's intra-op thread pool and the
+// calling thread. Built and loaded by jaxtrain/kernels/cpu_fused.py.
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+struct Dims {
+  int64_t b, t, h, kvh, d;
+};
+
+// Runs body(task) for task in [0, n) on this thread and on those of the pool's threads that start
+// before the work is done. It never waits for a pool thread that has not started (the pool may be
+// busy, or this may be one of its threads), and a thread that starts late touches nothing.
+template <typename Body>
+void ParallelFor(ffi::ThreadPool& pool, int64_t n, Body body) {
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n - 1);
+  if (helpers <= 0) {
+    for (int64_t i = 0; i < n; ++i) body(i);
+    return;
+  }
+  struct Shared {
+    std::atomic<int64_t> next{0};
+    std::mutex mu;
+    std::condition_variable cv;
+    int64_t active = 0;
+    bool done = false;
+  };
+  auto shared = std::make_shared<Shared>();
+  Body* work = &body;
+  for (int64_t w = 0; w < helpers; ++w) {
+    pool.Schedule([shared, work, n]() {
+      {
+        std::lock_guard<std::mutex> lock(shared->mu);
+        if (shared->done) return;
+        ++shared->active;
+      }
+      for (int64_t i = shared->next.fetch_add(1); i < n; i = shared->next.fetch_add(1)) (*work)(i);
+      std::lock_guard<std::mutex> lock(shared->mu);
+      if (--shared->active == 0) shared->cv.notify_one();
+    });
+  }
+  for (int64_t i = shared->next.fetch_add(1); i < n; i = shared->next.fetch_add(1)) body(i);
+  std::unique_lock<std::mutex> lock(shared->mu);
+  shared->done = true;
+  shared->cv.wait(lock, [&] { return shared->active == 0; });
+}
+
+// exp(x) for x <= 88, vectorizable (std::exp is a call per element): x = n ln2 + r with |r| <= ln2/2,
+// exp(r) by Cephes' expf polynomial (S. Moshier), 2^n put into the exponent bits. Relative error
+// ~1e-7; below -87.3 the result is flushed to 0, as exp underflows there anyway.
+inline float Exp(float x) {
+  const float clamped = std::max(x, -87.3f);
+  const float n = std::nearbyint(clamped * 1.44269504088896341f);
+  const float r = (clamped - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const float scale = std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+  return x < -87.3f ? 0.0f : p * scale;
+}
+
+// Max and sum of x[0..n), n % 16 == 0, in 16 lanes (a float reduction in one chain does not vectorize).
+inline float Max16(const float* x, int64_t n) {
+  float lane[16];
+  for (int j = 0; j < 16; ++j) lane[j] = x[j];
+  for (int64_t i = 16; i < n; i += 16)
+    for (int j = 0; j < 16; ++j) lane[j] = std::max(lane[j], x[i + j]);
+  float m = lane[0];
+  for (int j = 1; j < 16; ++j) m = std::max(m, lane[j]);
+  return m;
+}
+
+inline float Sum16(const float* x, int64_t n) {
+  float lane[16] = {};
+  for (int64_t i = 0; i < n; i += 16)
+    for (int j = 0; j < 16; ++j) lane[j] += x[i + j];
+  float s = 0.0f;
+  for (int j = 0; j < 16; ++j) s += lane[j];
+  return s;
+}
+
+// Row i of a causal score matrix is visible up to column i; its first Visible16(i) columns hold
+// the visible ones and a few masked ones (a multiple of 16, for the vector loops).
+inline int64_t Visible16(int64_t i) { return (i + 16) / 16 * 16; }
+
+constexpr int64_t kRows = 8;  // rows of C a micro-kernel step keeps in registers
+
+// Columns [j0, j0 + W) of rows [i0, i0 + kRows) of C = A B over k in [lo, hi): kRows x W
+// accumulators (W = 16 or 32 floats: one or two AVX-512 registers a row) stay in registers.
+// A's element (i, k) is at a[i * ars + k * acs], so A may be a transposed view.
+template <int64_t W>
+inline void Block(int64_t i0, int64_t j0, int64_t lo, int64_t hi, const float* a, int64_t ars, int64_t acs,
+                  const float* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  float acc[kRows][W];
+  for (int64_t r = 0; r < kRows; ++r)
+    for (int64_t j = 0; j < W; ++j) acc[r][j] = accumulate ? c[(i0 + r) * ldc + j0 + j] : 0.0f;
+  for (int64_t k = lo; k < hi; ++k) {
+    const float* bk = b + k * ldb + j0;
+    const float* ak = a + i0 * ars + k * acs;
+    for (int64_t r = 0; r < kRows; ++r) {
+      const float ar = ak[r * ars];
+      for (int64_t j = 0; j < W; ++j) acc[r][j] += ar * bk[j];
+    }
+  }
+  for (int64_t r = 0; r < kRows; ++r)
+    for (int64_t j = 0; j < W; ++j) c[(i0 + r) * ldc + j0 + j] = acc[r][j];
+}
+
+// C[i][j] (+)= sum_{k in range(i0)} A[i][k] B[k][j] for i < m (m % kRows == 0) and j < n (n % 16 == 0),
+// where i0 is i's row block and range(i0) a pair [lo, hi) (the causal limits).
+template <typename Range>
+void Gemm(int64_t m, int64_t n, const float* a, int64_t ars, int64_t acs, const float* b, int64_t ldb, float* c,
+          int64_t ldc, bool accumulate, Range range) {
+  for (int64_t i0 = 0; i0 < m; i0 += kRows) {
+    const auto [lo, hi] = range(i0);
+    int64_t j0 = 0;
+    for (; j0 + 32 <= n; j0 += 32) Block<32>(i0, j0, lo, hi, a, ars, acs, b, ldb, c, ldc, accumulate);
+    if (j0 < n) Block<16>(i0, j0, lo, hi, a, ars, acs, b, ldb, c, ldc, accumulate);
+  }
+}
+
+// Copies head `head` of a [T, heads, D] slab into a dense [T, D] (or its transpose [D, T]).
+inline void Gather(const float* slab, int64_t t, int64_t heads, int64_t head, int64_t d, float* dst, bool transpose) {
+  for (int64_t i = 0; i < t; ++i)
+    for (int64_t c = 0; c < d; ++c) {
+      const float x = slab[(i * heads + head) * d + c];
+      if (transpose) dst[c * t + i] = x; else dst[i * d + c] = x;
+    }
+}
+
+inline void Scatter(const float* src, int64_t t, int64_t heads, int64_t head, int64_t d, float* slab) {
+  for (int64_t i = 0; i < t; ++i)
+    for (int64_t c = 0; c < d; ++c) slab[(i * heads + head) * d + c] = src[i * d + c];
+}
+
+// Causal ranges for a row block starting at i0: keys [0, i0 + kRows) (rounded up to a vector
+// width for the output columns), and, for products over rows of a transposed matrix, rows [i0, T).
+inline int64_t KeysUpTo(int64_t i0, int64_t t) { return std::min(t, i0 + kRows); }
+inline int64_t Columns(int64_t i0, int64_t t) { return std::min(t, (i0 + kRows + 15) / 16 * 16); }
+
+ffi::Error CheckShapes(const Dims& m) {
+  if (m.h % m.kvh != 0) return ffi::Error::InvalidArgument("heads must be a multiple of kv heads");
+  if (m.t % 16 != 0 || m.d % 16 != 0)
+    return ffi::Error::InvalidArgument("length and head_dim must be multiples of 16");
+  return ffi::Error::Success();
+}
+
+// One (batch, kv head) pair of the forward: its query heads' rows, keys and values.
+void ForwardTask(const Dims& m, float scale, const float* qp, const float* kp, const float* vp, float* op, float* lp,
+                 int64_t task) {
+  const int64_t g = m.h / m.kvh, t = m.t, d = m.d;
+  const int64_t bi = task / m.kvh, kh = task % m.kvh;
+  thread_local std::vector<float> buffer;
+  buffer.resize(4 * t * d + t * t);
+  float* kt = buffer.data();
+  float* vv = kt + t * d;
+  float* qq = vv + t * d;
+  float* out = qq + t * d;
+  float* s = out + t * d;
+  Gather(kp + bi * t * m.kvh * d, t, m.kvh, kh, d, kt, true);
+  Gather(vp + bi * t * m.kvh * d, t, m.kvh, kh, d, vv, false);
+  for (int64_t hh = kh * g; hh < (kh + 1) * g; ++hh) {
+    Gather(qp + bi * t * m.h * d, t, m.h, hh, d, qq, false);
+    for (int64_t i = 0; i < t * d; ++i) qq[i] *= scale;
+    // S = (s Q) K^T on the columns a row block can see
+    for (int64_t i0 = 0; i0 < t; i0 += kRows)
+      Gemm(kRows, Columns(i0, t), qq + i0 * d, d, 1, kt, t, s + i0 * t, t, false,
+              [&](int64_t) { return std::make_pair(int64_t{0}, d); });
+    float* lrow = lp + (bi * m.h + hh) * t;
+    for (int64_t i = 0; i < t; ++i) {
+      float* si = s + i * t;
+      const int64_t n = Visible16(i);
+      for (int64_t j = i + 1; j < n; ++j) si[j] = -INFINITY;  // Exp gives 0 there
+      const float mx = Max16(si, n);
+      for (int64_t j = 0; j < n; ++j) si[j] = Exp(si[j] - mx);
+      const float l = Sum16(si, n);
+      const float inv = 1.0f / l;
+      for (int64_t j = 0; j < n; ++j) si[j] *= inv;
+      for (int64_t j = n; j < t; ++j) si[j] = 0.0f;
+      lrow[i] = mx + std::log(l);
+    }
+    Gemm(t, d, s, t, 1, vv, d, out, d, false,
+            [&](int64_t i0) { return std::make_pair(int64_t{0}, KeysUpTo(i0, t)); });
+    Scatter(out, t, m.h, hh, d, op + bi * t * m.h * d);
+  }
+}
+
+ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                   ffi::Buffer<ffi::F32> v, float scale, ffi::ResultBuffer<ffi::F32> o,
+                   ffi::ResultBuffer<ffi::F32> lse) {
+  auto qd = q.dimensions(), kd = k.dimensions();
+  if (qd.size() != 4 || kd.size() != 4) return ffi::Error::InvalidArgument("q, k, v must be [B, T, heads, D]");
+  Dims m{qd[0], qd[1], qd[2], kd[2], qd[3]};
+  if (auto err = CheckShapes(m); err.failure()) return err;
+  const float* qp = q.typed_data();
+  const float* kp = k.typed_data();
+  const float* vp = v.typed_data();
+  float* op = o->typed_data();
+  float* lp = lse->typed_data();
+  ParallelFor(pool, m.b * m.kvh, [&](int64_t task) { ForwardTask(m, scale, qp, kp, vp, op, lp, task); });
+  return ffi::Error::Success();
+}
+
+// One (batch, kv head) pair of the backward: dK and dV summed over its query heads here.
+void BackwardTask(const Dims& m, float scale, const float* qp, const float* kp, const float* vp, const float* op,
+                  const float* lp, const float* dop, float* dqp, float* dkp, float* dvp, int64_t task) {
+  const int64_t g = m.h / m.kvh, t = m.t, d = m.d;
+  const int64_t bi = task / m.kvh, kh = task % m.kvh;
+  thread_local std::vector<float> buffer;
+  buffer.resize(10 * t * d + 2 * t * t);
+  float *kt = buffer.data(), *vt = kt + t * d, *kk = vt + t * d, *qq = kk + t * d, *oo = qq + t * d, *dd = oo + t * d,
+        *grad = dd + t * d, *dkl = grad + t * d, *dvl = dkl + t * d, *p = dvl + t * d, *ds = p + t * t;
+  std::fill(dkl, dkl + 2 * t * d, 0.0f);  // dK and dV are sums
+  const float* kslab = kp + bi * t * m.kvh * d;
+  Gather(kslab, t, m.kvh, kh, d, kt, true);
+  Gather(kslab, t, m.kvh, kh, d, kk, false);
+  Gather(vp + bi * t * m.kvh * d, t, m.kvh, kh, d, vt, true);
+  auto all_d = [&](int64_t) { return std::make_pair(int64_t{0}, d); };
+  auto keys = [&](int64_t i0) { return std::make_pair(int64_t{0}, KeysUpTo(i0, t)); };
+  auto rows_from = [&](int64_t j0) { return std::make_pair(j0, t); };  // row i sees key j only if i >= j
+  for (int64_t hh = kh * g; hh < (kh + 1) * g; ++hh) {
+    const int64_t qoff = bi * t * m.h * d;
+    Gather(qp + qoff, t, m.h, hh, d, qq, false);
+    Gather(op + qoff, t, m.h, hh, d, oo, false);
+    Gather(dop + qoff, t, m.h, hh, d, dd, false);
+    for (int64_t i0 = 0; i0 < t; i0 += kRows) {
+      const int64_t cols = Columns(i0, t);
+      Gemm(kRows, cols, qq + i0 * d, d, 1, kt, t, p + i0 * t, t, false, all_d);
+      Gemm(kRows, cols, dd + i0 * d, d, 1, vt, t, ds + i0 * t, t, false, all_d);  // dP
+    }
+    const float* lrow = lp + (bi * m.h + hh) * t;
+    for (int64_t i = 0; i < t; ++i) {
+      float* pi = p + i * t;
+      float* dsi = ds + i * t;
+      float prod[16] = {};  // rowsum(dO * O) in 16 lanes (d % 16 == 0)
+      for (int64_t c = 0; c < d; c += 16)
+        for (int j = 0; j < 16; ++j) prod[j] += dd[i * d + c + j] * oo[i * d + c + j];
+      const float di = Sum16(prod, 16), li = lrow[i];
+      const int64_t n = Visible16(i);
+      for (int64_t j = i + 1; j < n; ++j) pi[j] = -INFINITY;
+      for (int64_t j = 0; j < n; ++j) pi[j] = Exp(pi[j] * scale - li);
+      for (int64_t j = 0; j < n; ++j) dsi[j] = pi[j] * (dsi[j] - di) * scale;  // dQ's and dK's scale, once
+      for (int64_t j = n; j < t; ++j) pi[j] = dsi[j] = 0.0f;
+    }
+    Gemm(t, d, ds, t, 1, kk, d, grad, d, false, keys);  // dQ = s dS K
+    Scatter(grad, t, m.h, hh, d, dqp + qoff);
+    Gemm(t, d, ds, 1, t, qq, d, dkl, d, true, rows_from);  // dK += s dS^T Q
+    Gemm(t, d, p, 1, t, dd, d, dvl, d, true, rows_from);  // dV += P^T dO
+  }
+  const int64_t koff = bi * t * m.kvh * d;
+  Scatter(dkl, t, m.kvh, kh, d, dkp + koff);
+  Scatter(dvl, t, m.kvh, kh, d, dvp + koff);
+}
+
+ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                    ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> o, ffi::Buffer<ffi::F32> lse,
+                    ffi::Buffer<ffi::F32> dout, float scale, ffi::ResultBuffer<ffi::F32> dq,
+                    ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv) {
+  auto qd = q.dimensions(), kd = k.dimensions();
+  Dims m{qd[0], qd[1], qd[2], kd[2], qd[3]};
+  if (auto err = CheckShapes(m); err.failure()) return err;
+  const float* qp = q.typed_data();
+  const float* kp = k.typed_data();
+  const float* vp = v.typed_data();
+  const float* op = o.typed_data();
+  const float* lp = lse.typed_data();
+  const float* dop = dout.typed_data();
+  float* dqp = dq->typed_data();
+  float* dkp = dk->typed_data();
+  float* dvp = dv->typed_data();
+  ParallelFor(pool, m.b * m.kvh,
+              [&](int64_t task) { BackwardTask(m, scale, qp, kp, vp, op, lp, dop, dqp, dkp, dvp, task); });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtrainCpuAttentionForward, Forward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtrainCpuAttentionBackward, Backward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

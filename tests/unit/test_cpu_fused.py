@@ -1,0 +1,165 @@
+"""The fused XLA:CPU attention kernel (jaxtrain/kernels/cpu_fused.py, cpu_attention.cc): values and
+gradients against the jnp reference, results that do not depend on the rest of the batch, when
+``auto`` picks it, and what happens without a C++ compiler."""
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import xla_test_flags
+from attention_helpers import assert_matches_reference, inputs
+from jax.sharding import AxisType, Mesh
+
+from jaxtrain.config import MESH_AXES
+from jaxtrain.kernels import cpu_fused
+from jaxtrain.models import attention as attn
+from jaxtrain.parallel.activations import activation_sharding
+from jaxtrain.parallel.rules import Rules
+
+
+def fused(q, k, v, qseg=None, kvseg=None, causal=True):
+    assert qseg is None and causal
+    return cpu_fused.fused_attention(q, k, v)
+
+
+@pytest.mark.parametrize("b,t,h,kvh,d", [
+    (2, 64, 4, 4, 32),    # the shakespeare recipe's attention (batch cut down)
+    (2, 48, 8, 2, 16),    # grouped-query, a length that is not a multiple of 32
+    (1, 128, 2, 1, 64),   # multi-query, several 32-row blocks of keys
+    (1, 16, 1, 1, 128),
+])
+def test_values_and_gradients_match_the_reference(b, t, h, kvh, d):
+    q, k, v, do = inputs(b, t, t, h, kvh, d)
+    assert_matches_reference(fused, q, k, v, do, causal=True)
+
+
+def test_bfloat16_inputs_are_computed_in_float32_and_returned_in_bfloat16():
+    q, k, v, do = inputs(2, 32, 32, 4, 2, 32, jnp.bfloat16)
+    assert cpu_fused.fused_attention(q, k, v).dtype == jnp.bfloat16
+    assert_matches_reference(fused, q, k, v, do, causal=True)
+
+
+def test_a_batch_row_is_the_same_bit_for_bit_alone_or_among_others():
+    # Grouped evaluation stacks batches side by side and promises each the loss it gets alone.
+    q, k, v, do = inputs(3, 64, 64, 4, 2, 32)
+    grads = jax.jit(jax.value_and_grad(lambda q, k, v, do: jnp.sum(cpu_fused.fused_attention(q, k, v) * do),
+                                       argnums=(0, 1, 2)))
+    out = jax.jit(cpu_fused.fused_attention)
+    np.testing.assert_array_equal(np.asarray(out(q, k, v))[1], np.asarray(out(q[1:2], k[1:2], v[1:2]))[0])
+    _, among = grads(q, k, v, do)
+    _, alone = grads(q[1:2], k[1:2], v[1:2], do[1:2])
+    for name, a, b in zip(("dq", "dk", "dv"), among, alone):
+        np.testing.assert_array_equal(np.asarray(a)[1], np.asarray(b)[0], err_msg=name)
+
+
+def on_mesh(devices: int):
+    """The trainer's context while it traces: data parallelism over ``devices`` CPU devices."""
+    mesh = Mesh(np.asarray(jax.devices()[:devices]).reshape(devices, 1, 1, 1, 1, 1), MESH_AXES,
+                axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    table = {"batch": [("data",)], **{name: [None] for name in ("length", "heads", "kv_heads", "kv")}}
+    return activation_sharding(Rules("dp", table), mesh)
+
+
+def test_auto_picks_the_kernel_on_cpu_where_it_applies_and_says_why_not_elsewhere(caplog):
+    fits = jnp.zeros((2, 64, 4, 32))
+    attn._logged.clear()
+    with caplog.at_level(logging.INFO, logger="jaxtrain.attention"), on_mesh(1):
+        assert attn.choose("auto", fits, fits) == "cpu_fused"
+        assert attn.choose("auto", fits, fits, jnp.zeros((2, 64), jnp.int32)) == "blockwise"
+        assert attn.choose("auto", fits, fits, window=8) == "blockwise"
+        assert attn.choose("auto", jnp.zeros((2, 40, 4, 32)), jnp.zeros((2, 40, 4, 32))) == "blockwise"
+    with caplog.at_level(logging.INFO, logger="jaxtrain.attention"), on_mesh(2):
+        assert attn.choose("auto", fits, fits) == "blockwise"
+    with caplog.at_level(logging.INFO, logger="jaxtrain.attention"):  # outside the trainer: all of this
+        assert jax.device_count() > 1 and attn.choose("auto", fits, fits) == "blockwise"  # process's 8 devices
+    here = jax.device_count()
+    assert f"model.attention=auto -> blockwise (cpu_fused: runs on one device, here {here})" in caplog.text
+    assert "model.attention=auto -> blockwise (cpu_fused: runs on one device, here 2)" in caplog.text
+    assert "model.attention=auto -> cpu_fused (backend cpu)" in caplog.text
+    assert "model.attention=auto -> blockwise (cpu_fused: packed documents or a sliding window)" in caplog.text
+    assert ("model.attention=auto -> blockwise (cpu_fused: length 40 and head_dim 32 must be multiples of 16 "
+            "(and heads of kv heads))") in caplog.text
+
+
+def test_explicit_choice_on_shapes_it_cannot_take_is_a_named_error():
+    q = jnp.zeros((1, 40, 2, 32))
+    with pytest.raises(attn.AttentionBackendError) as e:
+        attn.attention(q, q, q, implementation="cpu_fused")
+    assert str(e.value) == ("model.attention=cpu_fused cannot run here: length 40 and head_dim 32 must be multiples "
+                            "of 16 (and heads of kv heads) (use auto or blockwise)")
+    assert attn.backend_problem("cpu_fused", "gpu") == ("cpu_fused is an XLA:CPU kernel; the backend is 'gpu' "
+                                                        "(use auto)")
+
+
+def test_without_a_compiler_auto_falls_back_to_blockwise_and_the_explicit_choice_says_why(tmp_path):
+    # A fresh process: the kernel is built (or not) once per process.
+    code = textwrap.dedent("""
+        import jax.numpy as jnp
+        from jaxtrain.models import attention as attn
+        q = jnp.zeros((1, 64, 2, 32))
+        print(attn.choose("auto", q, q))
+        try:
+            attn.attention(q, q, q, implementation="cpu_fused")
+        except attn.AttentionBackendError as err:
+            print(err)
+    """)
+    env = {"PATH": "/usr/bin:/bin", "CXX": "no-such-compiler", "JAXTRAIN_KERNEL_CACHE_DIR": str(tmp_path),
+           "JAX_PLATFORMS": "cpu", "HOME": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == [
+        "blockwise",
+        "model.attention=cpu_fused cannot run here: no C++ compiler ('no-such-compiler' is not on PATH; set CXX) "
+        "(use auto or blockwise)"]
+    assert not list(tmp_path.glob("*.so"))
+
+
+def test_a_failed_build_is_reported_and_leaves_nothing_behind(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXTRAIN_KERNEL_CACHE_DIR", str(tmp_path))
+    broken = tmp_path / "broken.cc"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(cpu_fused, "SOURCE", broken)
+    with pytest.raises(RuntimeError, match=r"c\+\+ failed \(1\): .*broken.cc"):
+        cpu_fused._build("c++")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.cc"]  # no library, no temporary
+
+
+def test_the_library_is_built_once_and_named_by_what_it_was_built_from(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXTRAIN_KERNEL_CACHE_DIR", str(tmp_path))
+    first = cpu_fused._build("c++")
+    stamp = first.stat().st_mtime_ns
+    assert cpu_fused._build("c++") == first and first.stat().st_mtime_ns == stamp  # cached
+    changed = tmp_path / "cpu_attention.cc"
+    changed.write_text(cpu_fused.SOURCE.read_text() + "\n// another revision\n")
+    monkeypatch.setattr(cpu_fused, "SOURCE", changed)
+    assert cpu_fused._build("c++") != first
+
+
+def test_a_new_process_loading_a_cached_program_registers_the_kernel_first(tmp_path, corpus_path):
+    """The program cache keeps the traced train step; a later process loads it without tracing the
+    model, so nothing else would have registered the kernel's custom calls before XLA compiles it."""
+    env = {**os.environ, "JAXTRAIN_PROGRAM_CACHE_DIR": str(tmp_path / "programs"), "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": xla_test_flags.with_devices(1)}
+    env.pop("JAXTRAIN_PROGRAM_CACHE", None)
+    runs = []
+    for name in ("cold", "warm"):
+        done = subprocess.run([sys.executable, "-m", "jaxtrain.train", "--config", "configs/shakespeare_char.yaml",
+                               f"data.path={corpus_path}", f"run.dir={tmp_path / name}", "train.steps=3",
+                               "train.log_every=1", "train.eval_batches=1", "train.sample_tokens=0",
+                               "run.progress=false"], capture_output=True, text=True, env=env, timeout=600,
+                              cwd=Path(__file__).resolve().parents[2])
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs.append(done.stdout + done.stderr)
+    assert "model.attention=auto -> cpu_fused (backend cpu)" in runs[0]
+    assert "read from the program cache" not in runs[0]
+    assert "compiled train step in" in runs[1] and "(its traced program read from the program cache)" in runs[1]
+    losses = [[json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+               if '"loss"' in line] for name in ("cold", "warm")]
+    assert len(losses[0]) == 3 and losses[0] == losses[1]

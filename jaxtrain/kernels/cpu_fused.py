@@ -57,17 +57,22 @@ def _cpu_signature() -> str:
     return "\n".join(sorted(set(keep)))
 
 
+def _library(compiler: str) -> Path:
+    """Where the shared library for this source, compiler, jaxlib and CPU is (or would be) cached."""
+    import jaxlib
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    digest = hashlib.sha256("\0".join([SOURCE.read_text(), version, jaxlib.__version__, " ".join(FLAGS),
+                                       _cpu_signature()]).encode()).hexdigest()[:16]
+    return cache_dir() / f"cpu_attention-{digest}.so"
+
+
 def _build(compiler: str) -> Path:
     """The shared library for this source, compiler, jaxlib and CPU: built unless already cached.
 
     Raises:
       RuntimeError: the compiler failed (its message included).
     """
-    import jaxlib
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    digest = hashlib.sha256("\0".join([SOURCE.read_text(), version, jaxlib.__version__, " ".join(FLAGS),
-                                       _cpu_signature()]).encode()).hexdigest()[:16]
-    target = cache_dir() / f"cpu_attention-{digest}.so"
+    target = _library(compiler)
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -93,6 +98,19 @@ def problem() -> Optional[str]:
             _state["done"] = True
             _state["problem"] = _register()
         return _state["problem"]
+
+
+def register_if_built() -> None:
+    """Registers the kernel when its library is already cached, and builds nothing: for a warm start's
+    prefetch thread (``jaxtrain.train.prefetch``), which deserializes compiled programs that may call
+    it before anything has traced the model."""
+    compiler = os.environ.get("CXX") or "c++"
+    try:
+        built = shutil.which(compiler) is not None and _library(compiler).exists()
+    except (OSError, subprocess.SubprocessError):
+        return
+    if built:
+        problem()
 
 
 def _register() -> Optional[str]:

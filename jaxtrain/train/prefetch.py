@@ -125,6 +125,9 @@ def _load(entries: list, futures: dict, devices: list) -> None:
     from jax._src import compilation_cache, xla_bridge
     from jax._src.lib import xla_client as xc
     backend = xla_bridge.get_backend()
+    if backend.platform == "cpu":  # an executable calling the fused attention needs it registered first
+        from jaxtrain.kernels import cpu_fused
+        cpu_fused.register_if_built()
     for e in entries:
         future = futures.get(e["key"])
         if future is None or future.done() or not future.set_running_or_notify_cancel():

@@ -163,3 +163,14 @@ def test_a_new_process_loading_a_cached_program_registers_the_kernel_first(tmp_p
     losses = [[json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
                if '"loss"' in line] for name in ("cold", "warm")]
     assert len(losses[0]) == 3 and losses[0] == losses[1]
+
+
+def test_a_warm_starts_prefetch_registers_a_library_already_built_and_builds_none(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXTRAIN_KERNEL_CACHE_DIR", str(tmp_path))
+    registered = []
+    monkeypatch.setattr(cpu_fused, "problem", lambda: registered.append(True))
+    cpu_fused.register_if_built()
+    assert registered == [] and not list(tmp_path.iterdir())
+    cpu_fused._build("c++")
+    cpu_fused.register_if_built()
+    assert registered == [True]

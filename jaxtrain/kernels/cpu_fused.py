@@ -21,10 +21,12 @@ import hashlib
 import logging
 import math
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -38,9 +40,10 @@ SOURCE = Path(__file__).with_name("cpu_attention.cc")
 FORWARD, BACKWARD = "jaxtrain_cpu_attention_fwd", "jaxtrain_cpu_attention_bwd"
 TARGETS = (FORWARD, BACKWARD)
 MAX_LENGTH = 1024  # two [length, length] float32 tiles per thread: 8 MiB at 1024
+STALE_S = 600  # a temporary library this old is a killed build's leftover (a build takes seconds)
 FLAGS = ("-std=c++20", "-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared", "-w")
 
-_state: dict = {"lock": threading.Lock(), "done": False, "problem": None}
+_state: dict = {"lock": threading.Lock(), "done": False, "problem": None, "library": ""}
 
 
 def cache_dir() -> Path:
@@ -57,16 +60,16 @@ def _cpu_signature() -> str:
     return "\n".join(sorted(set(keep)))
 
 
-def _library(compiler: str) -> Path:
+def _library(compiler: list[str]) -> Path:
     """Where the shared library for this source, compiler, jaxlib and CPU is (or would be) cached."""
     import jaxlib
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     digest = hashlib.sha256("\0".join([SOURCE.read_text(), version, jaxlib.__version__, " ".join(FLAGS),
                                        _cpu_signature()]).encode()).hexdigest()[:16]
     return cache_dir() / f"cpu_attention-{digest}.so"
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: list[str]) -> Path:
     """The shared library for this source, compiler, jaxlib and CPU: built unless already cached.
 
     Raises:
@@ -76,13 +79,23 @@ def _build(compiler: str) -> Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    for stale in target.parent.glob("*.so.tmp"):  # a build whose process was killed (its compiler ran on)
+        try:
+            if time.time() - stale.stat().st_mtime > STALE_S:
+                stale.unlink()
+        except OSError:
+            pass
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp],
+        done = subprocess.run([*compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp],
                               capture_output=True, text=True, timeout=600)
+        name = " ".join(compiler)
         if done.returncode:
-            raise RuntimeError(f"{compiler} failed ({done.returncode}): {done.stderr.strip()[-1500:]}")
+            said = (done.stderr.strip() or done.stdout.strip())[-1500:] or "no output"
+            raise RuntimeError(f"{name} failed ({done.returncode}): {said}")
+        if os.path.getsize(tmp) == 0:
+            raise RuntimeError(f"{name} exited 0 but wrote no library")
         os.replace(tmp, target)  # atomic: a process building the same library at once loses nothing
     finally:
         if os.path.exists(tmp):
@@ -100,30 +113,47 @@ def problem() -> Optional[str]:
         return _state["problem"]
 
 
+def availability() -> str:
+    """The kernel's library (its cache file name) once built and registered, else ``unavailable``: part of
+    the program cache's key, since ``model.attention=auto`` traces another attention without it."""
+    return _state["library"] if problem() is None else "unavailable"
+
+
 def register_if_built() -> None:
     """Registers the kernel when its library is already cached, and builds nothing: for a warm start's
     prefetch thread (``jaxtrain.train.prefetch``), which deserializes compiled programs that may call
     it before anything has traced the model."""
-    compiler = os.environ.get("CXX") or "c++"
+    compiler = _compiler()
     try:
-        built = shutil.which(compiler) is not None and _library(compiler).exists()
+        built = shutil.which(compiler[0]) is not None and _library(compiler).exists()
     except (OSError, subprocess.SubprocessError):
         return
     if built:
         problem()
 
 
+def _compiler() -> list[str]:
+    """``$CXX`` (default ``c++``) as a command line: ``ccache g++`` works too."""
+    return shlex.split(os.environ.get("CXX") or "c++") or ["c++"]
+
+
 def _register() -> Optional[str]:
-    compiler = os.environ.get("CXX") or "c++"
-    if shutil.which(compiler) is None:
-        return f"no C++ compiler ('{compiler}' is not on PATH; set CXX)"
+    compiler = _compiler()
+    if shutil.which(compiler[0]) is None:
+        return f"no C++ compiler: '{compiler[0]}' cannot be run (set CXX to one)"
     try:
-        library = ctypes.cdll.LoadLibrary(str(_build(compiler)))
+        path = _build(compiler)
+        try:
+            library = ctypes.cdll.LoadLibrary(str(path))
+        except OSError:  # a damaged cache entry (ours alone): removed, so the next run builds it again
+            path.unlink(missing_ok=True)
+            raise
         jax.ffi.register_ffi_target(FORWARD, jax.ffi.pycapsule(library.JaxtrainCpuAttentionForward), platform="cpu")
         jax.ffi.register_ffi_target(BACKWARD, jax.ffi.pycapsule(library.JaxtrainCpuAttentionBackward),
                                     platform="cpu")
+        _state["library"] = path.name
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as err:
-        log.warning("model.attention: the fused CPU kernel could not be built (%s); using blockwise", err)
+        log.warning("model.attention: the fused CPU kernel could not be built (%s)", err)
         return f"the kernel did not build: {err}"
     return None
 
@@ -134,9 +164,13 @@ def shape_problem(q_shape, k_shape, causal: bool, segment_ids, window) -> Option
     if not causal or k_shape[1] != t:
         return "not causal self-attention"
     if segment_ids is not None or window is not None:
-        return "packed documents or a sliding window"
-    if t % 16 or d % 16 or h % k_shape[2]:
-        return f"length {t} and head_dim {d} must be multiples of 16 (and heads of kv heads)"
+        return "segment ids (packed or padded documents) or a sliding window"
+    if t % 16:
+        return f"length {t} is not a multiple of 16"
+    if d % 16:
+        return f"head_dim {d} is not a multiple of 16"
+    if h % k_shape[2]:
+        return f"{h} heads are not a multiple of {k_shape[2]} kv heads"
     if t > MAX_LENGTH:
         return f"length {t} > {MAX_LENGTH}"
     return None

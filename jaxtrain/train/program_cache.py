@@ -39,6 +39,7 @@ from typing import Any, Callable, Optional
 
 import jax
 
+from jaxtrain.errors import JaxtrainError
 from jaxtrain.runtime.env import cache_folder_usable, switch
 
 log = logging.getLogger("jaxtrain")
@@ -118,9 +119,13 @@ def key(s: Any) -> str:
     devices = [(d.platform, d.device_kind, d.id) for d in s.devices]
     config = {k: repr(v) for k, v in sorted(jax.config.values.items()) if "cache" not in k and "log" not in k}
     versions = [sys.version, jax.__version__, jaxlib.__version__, flax.__version__, optax.__version__]
+    kernel = ""  # model.attention=auto traces the fused CPU kernel only where it built: a fallback is its own entry
+    if getattr(s.model_config, "attention", None) in ("auto", "cpu_fused") and s.devices[0].platform == "cpu":
+        from jaxtrain.kernels import cpu_fused
+        kernel = cpu_fused.availability()
     h = hashlib.sha256()
     for part in (FORMAT, cfg, model, repr(s.rules.table), repr(s.rules.optimizer_table), devices,
-                 dict(s.mesh.shape), config, os.environ.get("XLA_FLAGS", ""), versions):
+                 dict(s.mesh.shape), config, os.environ.get("XLA_FLAGS", ""), versions, kernel):
         h.update(json.dumps(part, sort_keys=True, default=repr).encode() + b"\0")
     for name, path in sources():
         h.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
@@ -206,6 +211,8 @@ def compiled(s: Any, name: str, fn: Callable, args: tuple, out_shardings: Callab
     if not loaded:
         try:
             exp, out, lines = _export(fn, args, leaves, refs)
+        except JaxtrainError:  # bad input (a config the model refuses while traced): the run's error, not the cache's
+            raise
         except Exception as err:  # noqa: BLE001 - e.g. a custom call jax.export refuses: jit compiles it
             _unexportable(entry, name, err)
             return None

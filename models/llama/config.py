@@ -104,6 +104,8 @@ class LlamaConfig(ModelConfig):
         problem = backend_problem(self.attention, platform) if platform else None
         if problem:
             raise ConfigError(f"model.attention: {problem}")
+        if self.attention == "cpu_fused":
+            self._check_fused(cfg, axis_sizes)
         seq = axis_sizes["sequence"]
         if self.attention == "ring" and cfg.data.seq_len % (2 * seq):
             raise ConfigError(f"data.seq_len: {cfg.data.seq_len} is not divisible by 2 * mesh.sequence = "
@@ -113,6 +115,23 @@ class LlamaConfig(ModelConfig):
             if getattr(self, key) % tp:
                 raise ConfigError(f"model.{key}: {getattr(self, key)} is not divisible by mesh.tensor={tp}")
         self._check_stages(cfg, axis_sizes.get("stage", 1))
+
+    def _check_fused(self, cfg, axis_sizes: dict[str, int]) -> None:
+        """What model.attention=cpu_fused needs (jaxtrain/kernels/cpu_fused.py), named by the key to change."""
+        from jaxtrain.kernels.cpu_fused import MAX_LENGTH
+        devices = math.prod(axis_sizes.values())
+        if devices > 1:
+            raise ConfigError(f"model.attention: cpu_fused runs on one device; the mesh has {devices} "
+                              f"(use auto or blockwise)")
+        if cfg.data.seq_len % 16 or cfg.data.seq_len > MAX_LENGTH:
+            raise ConfigError(f"data.seq_len: model.attention=cpu_fused needs a multiple of 16 up to {MAX_LENGTH}; "
+                              f"got {cfg.data.seq_len}")
+        if self.head_dim % 16:
+            raise ConfigError(f"model.d_model: model.attention=cpu_fused needs a head dim (d_model / n_heads) that is "
+                              f"a multiple of 16; got {self.d_model} / {self.n_heads} = {self.head_dim}")
+        if cfg.data.mode != "windows":
+            raise ConfigError(f"data.mode: model.attention=cpu_fused takes no segment ids, which data.mode="
+                              f"{cfg.data.mode} gives (use data.mode=windows, or model.attention=auto)")
 
     def _check_stages(self, cfg, stages: int) -> None:
         """The layers split evenly into the pipeline's stages (and the circular schedule's chunks)."""

@@ -83,17 +83,17 @@ def test_auto_picks_the_kernel_on_cpu_where_it_applies_and_says_why_not_elsewher
     assert f"model.attention=auto -> blockwise (cpu_fused: runs on one device, here {here})" in caplog.text
     assert "model.attention=auto -> blockwise (cpu_fused: runs on one device, here 2)" in caplog.text
     assert "model.attention=auto -> cpu_fused (backend cpu)" in caplog.text
-    assert "model.attention=auto -> blockwise (cpu_fused: packed documents or a sliding window)" in caplog.text
-    assert ("model.attention=auto -> blockwise (cpu_fused: length 40 and head_dim 32 must be multiples of 16 "
-            "(and heads of kv heads))") in caplog.text
+    assert ("model.attention=auto -> blockwise (cpu_fused: segment ids (packed or padded documents) or a sliding "
+            "window)") in caplog.text
+    assert "model.attention=auto -> blockwise (cpu_fused: length 40 is not a multiple of 16)" in caplog.text
 
 
 def test_explicit_choice_on_shapes_it_cannot_take_is_a_named_error():
     q = jnp.zeros((1, 40, 2, 32))
     with pytest.raises(attn.AttentionBackendError) as e:
         attn.attention(q, q, q, implementation="cpu_fused")
-    assert str(e.value) == ("model.attention=cpu_fused cannot run here: length 40 and head_dim 32 must be multiples "
-                            "of 16 (and heads of kv heads) (use auto or blockwise)")
+    assert str(e.value) == ("model.attention=cpu_fused cannot run here: length 40 is not a multiple of 16 "
+                            "(use auto or blockwise)")
     assert attn.backend_problem("cpu_fused", "gpu") == ("cpu_fused is an XLA:CPU kernel; the backend is 'gpu' "
                                                         "(use auto)")
 
@@ -116,8 +116,8 @@ def test_without_a_compiler_auto_falls_back_to_blockwise_and_the_explicit_choice
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines() == [
         "blockwise",
-        "model.attention=cpu_fused cannot run here: no C++ compiler ('no-such-compiler' is not on PATH; set CXX) "
-        "(use auto or blockwise)"]
+        "model.attention=cpu_fused cannot run here: no C++ compiler: 'no-such-compiler' cannot be run (set CXX to "
+        "one) (use auto or blockwise)"]
     assert not list(tmp_path.glob("*.so"))
 
 
@@ -127,19 +127,19 @@ def test_a_failed_build_is_reported_and_leaves_nothing_behind(tmp_path, monkeypa
     broken.write_text("this is not C++\n")
     monkeypatch.setattr(cpu_fused, "SOURCE", broken)
     with pytest.raises(RuntimeError, match=r"c\+\+ failed \(1\): .*broken.cc"):
-        cpu_fused._build("c++")
+        cpu_fused._build(["c++"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.cc"]  # no library, no temporary
 
 
 def test_the_library_is_built_once_and_named_by_what_it_was_built_from(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXTRAIN_KERNEL_CACHE_DIR", str(tmp_path))
-    first = cpu_fused._build("c++")
+    first = cpu_fused._build(["c++"])
     stamp = first.stat().st_mtime_ns
-    assert cpu_fused._build("c++") == first and first.stat().st_mtime_ns == stamp  # cached
+    assert cpu_fused._build(["c++"]) == first and first.stat().st_mtime_ns == stamp  # cached
     changed = tmp_path / "cpu_attention.cc"
     changed.write_text(cpu_fused.SOURCE.read_text() + "\n// another revision\n")
     monkeypatch.setattr(cpu_fused, "SOURCE", changed)
-    assert cpu_fused._build("c++") != first
+    assert cpu_fused._build(["c++"]) != first
 
 
 def test_a_new_process_loading_a_cached_program_registers_the_kernel_first(tmp_path, corpus_path):
@@ -171,6 +171,49 @@ def test_a_warm_starts_prefetch_registers_a_library_already_built_and_builds_non
     monkeypatch.setattr(cpu_fused, "problem", lambda: registered.append(True))
     cpu_fused.register_if_built()
     assert registered == [] and not list(tmp_path.iterdir())
-    cpu_fused._build("c++")
+    cpu_fused._build(["c++"])
     cpu_fused.register_if_built()
     assert registered == [True]
+
+
+def test_a_compiler_that_writes_nothing_or_a_damaged_library_is_reported_and_not_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXTRAIN_KERNEL_CACHE_DIR", str(tmp_path))
+    with pytest.raises(RuntimeError, match="true exited 0 but wrote no library"):
+        cpu_fused._build(["true"])
+    assert not list(tmp_path.iterdir())
+    damaged = cpu_fused._library(["c++"])
+    damaged.write_bytes(b"not a shared library")
+    monkeypatch.setitem(cpu_fused._state, "done", False)  # as in a new process; both restored afterwards
+    monkeypatch.setitem(cpu_fused._state, "problem", None)
+    monkeypatch.setenv("CXX", "c++")
+    why = cpu_fused.problem()
+    assert why.startswith("the kernel did not build: ") and not damaged.exists()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.seq_len=50"], "data.seq_len: model.attention=cpu_fused needs a multiple of 16 up to 1024; got 50"),
+    (["model.d_model=96"], "model.d_model: model.attention=cpu_fused needs a head dim (d_model / n_heads) that is a "
+                           "multiple of 16; got 96 / 4 = 24"),
+    (["data.mode=packed"], "data.mode: model.attention=cpu_fused takes no segment ids, which data.mode=packed gives "
+                           "(use data.mode=windows, or model.attention=auto)"),
+])
+def test_an_explicit_choice_the_config_cannot_give_is_named_before_anything_is_built(small_cfg, overrides, message):
+    from jaxtrain.config import check_against_mesh
+    from jaxtrain.errors import ConfigError
+    one = {a: 1 for a in MESH_AXES}
+    with pytest.raises(ConfigError) as e:
+        check_against_mesh(small_cfg("model.attention=cpu_fused", *overrides), one, "cpu")
+    assert str(e.value) == message
+    with pytest.raises(ConfigError) as e:
+        check_against_mesh(small_cfg("model.attention=cpu_fused"), {**one, "data": 2}, "cpu")
+    assert str(e.value) == "model.attention: cpu_fused runs on one device; the mesh has 2 (use auto or blockwise)"
+
+
+def test_a_stale_temporary_from_a_killed_build_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXTRAIN_KERNEL_CACHE_DIR", str(tmp_path))
+    stale, fresh = tmp_path / "a.so.tmp", tmp_path / "b.so.tmp"
+    stale.write_bytes(b"x"), fresh.write_bytes(b"y")
+    old = stale.stat().st_mtime - cpu_fused.STALE_S - 60
+    os.utime(stale, (old, old))
+    cpu_fused._build(["c++"])
+    assert not stale.exists() and fresh.exists()  # another process's build may be writing it

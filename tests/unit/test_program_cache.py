@@ -249,3 +249,24 @@ def test_a_stored_program_that_does_not_compile_is_exported_again_next_time(smal
     exports = _exports(monkeypatch)
     assert _evaluation(s, 2).loaded is False and len(exports) == 1  # exported anew
     assert _evaluation(s, 2).loaded is True
+
+
+def test_an_attention_fallback_is_its_own_entry_and_bad_input_is_not_unexportable(small_cfg, cache, monkeypatch):
+    """model.attention=auto traces the fused CPU kernel only where it built: a run where it did not
+    (no compiler, say) must not hand its blockwise program to a later run where it did. And a config
+    the model refuses while traced is the run's error, not a program the cache cannot take."""
+    from jaxtrain.errors import ConfigError
+    from jaxtrain.kernels import cpu_fused
+    s = _setup(small_cfg)
+    built = program_cache.key(s)
+    monkeypatch.setattr(cpu_fused, "availability", lambda: "unavailable")
+    s._program_key = None
+    assert program_cache.key(s) != built
+    assert program_cache.key(_setup(small_cfg, "model.attention=blockwise")) == program_cache.key(
+        _setup(small_cfg, "model.attention=blockwise"))
+
+    def refuses(*_):
+        raise ConfigError("model.attention=cpu_fused cannot run here: test")
+    with pytest.raises(ConfigError, match="cannot run here: test"):
+        program_cache.compiled(s, "evaluate", jax.jit(refuses), (), lambda out: out)
+    assert not list(cache.rglob("*.unexportable"))

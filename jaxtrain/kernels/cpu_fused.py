@@ -17,6 +17,7 @@ compiler, :func:`problem` says why and ``model.attention=auto`` uses ``blockwise
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import math
@@ -63,10 +64,17 @@ def _cpu_signature() -> str:
 def _library(compiler: list[str]) -> Path:
     """Where the shared library for this source, compiler, jaxlib and CPU is (or would be) cached."""
     import jaxlib
-    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    version = _version(tuple(compiler))
     digest = hashlib.sha256("\0".join([SOURCE.read_text(), version, jaxlib.__version__, " ".join(FLAGS),
                                        _cpu_signature()]).encode()).hexdigest()[:16]
     return cache_dir() / f"cpu_attention-{digest}.so"
+
+
+@functools.lru_cache(maxsize=None)
+def _version(compiler: tuple[str, ...]) -> str:
+    """``compiler --version``, once per process (the program cache's key, the prefetch thread and the
+    registration each ask for the library's name on a warm start)."""
+    return subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
 
 
 def _build(compiler: list[str]) -> Path:

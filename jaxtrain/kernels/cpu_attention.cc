@@ -41,9 +41,12 @@ struct Dims {
 // Runs body(task) for task in [0, n) on this thread and on those of the pool's threads that start
 // before the work is done. It never waits for a pool thread that has not started (the pool may be
 // busy, or this may be one of its threads), and a thread that starts late touches nothing.
+// This thread and at most num_threads - 1 helpers: as many threads as the pool has, whether this
+// thread is one of them (inside a program) or the caller's (a one-op program runs on the caller;
+// one helper more there put three threads on two cores).
 template <typename Body>
 void ParallelFor(ffi::ThreadPool& pool, int64_t n, Body body) {
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n - 1);
+  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, n - 1);
   if (helpers <= 0) {
     for (int64_t i = 0; i < n; ++i) body(i);
     return;

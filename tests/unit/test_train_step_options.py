@@ -1,5 +1,5 @@
 """The train step's own XLA compiler options (jaxtrain.runtime.xla_flags.train_step_options): on an AMD
-CPU its reductions go to YNNPACK, unless the user's XLA_FLAGS names that option; the evaluation keeps
+or Intel CPU its reductions go to YNNPACK, unless the user's XLA_FLAGS names that option; the evaluation keeps
 XLA's own reductions; the program cache compiles the exported step with the same options."""
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ def test_the_options_follow_the_vendor_the_platform_and_the_users_flags(tmp_path
     ours = {}
     assert xla_flags.apply_cpu_defaults(ours) is True  # the trainer's start: its own default, marked as its own
     assert ours[xla_flags.ADDED] == YNN
-    assert xla_flags.train_step_options("cpu", ours, vendor="AuthenticAMD") == ONE == xla_flags.AMD_TRAIN_STEP_OPTIONS
-    assert xla_flags.train_step_options("cpu", ours, vendor="GenuineIntel") == {}
+    assert xla_flags.train_step_options("cpu", ours, vendor="AuthenticAMD") == ONE == xla_flags.TRAIN_STEP_OPTIONS
+    assert xla_flags.train_step_options("cpu", ours, vendor="GenuineIntel") == ONE
+    assert xla_flags.train_step_options("cpu", ours, vendor="HygonGenuine") == {}  # not measured there
     assert xla_flags.train_step_options("cpu", ours, vendor="") == {}
     assert xla_flags.train_step_options("gpu", ours, vendor="AuthenticAMD") == {}
     assert xla_flags.train_step_options("cpu", ours, vendor="AuthenticAMD", processes=2) == {}
@@ -58,7 +59,7 @@ def _ynn(compiled) -> int:
     return compiled.as_text().count('"kind":"__ynn_fusion"')
 
 
-def test_on_amd_the_train_step_alone_sends_its_reductions_to_ynnpack(small_cfg, vendor):
+def test_on_amd_and_intel_the_train_step_alone_sends_its_reductions_to_ynnpack(small_cfg, vendor):
     vendor("AuthenticAMD")
     s = setup(small_cfg("mesh.data=1"), jax.devices()[:1], vocab=256)
     assert s.fns.train_step_options == ONE
@@ -67,6 +68,8 @@ def test_on_amd_the_train_step_alone_sends_its_reductions_to_ynnpack(small_cfg, 
     val = {k: jax.ShapeDtypeStruct((4, *v.shape[1:]), v.dtype, sharding=s.fns.batch_sharding) for k, v in batch.items()}
     assert _ynn(s.fns.evaluate.lower(state["params"], val).compile()) == 0
     vendor("GenuineIntel")
+    assert setup(small_cfg("mesh.data=1"), jax.devices()[:1], vocab=256).fns.train_step_options == ONE
+    vendor("HygonGenuine")  # a CPU where the option was not measured
     s = setup(small_cfg("mesh.data=1"), jax.devices()[:1], vocab=256)
     assert s.fns.train_step_options == {} and _ynn(s.fns.train_step.lower(state, batch).compile()) == 0
 
@@ -76,7 +79,7 @@ def test_the_cached_program_has_the_options_and_the_losses_differ_only_in_the_la
     cfg = lambda name: small_cfg("train.steps=4", "train.log_every=1", "train.eval_every=4",  # noqa: E731
                                  "mesh.data=1", "checkpoint.enabled=false", run_dir=name)
     one = jax.devices()[:1]
-    vendor("GenuineIntel")
+    vendor("")  # not Linux: no vendor, no option
     plain = fit(cfg("plain"), devices=one, quiet=True).rows
     vendor("AuthenticAMD")
     monkeypatch.setenv(program_cache.DIR_VAR, str(tmp_path / "programs"))

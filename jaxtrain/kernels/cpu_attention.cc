@@ -156,18 +156,11 @@ void Gemm(int64_t m, int64_t n, const float* a, int64_t ars, int64_t acs, const 
   }
 }
 
-// Copies head `head` of a [T, heads, D] slab into a dense [T, D] (or its transpose [D, T]).
-inline void Gather(const float* slab, int64_t t, int64_t heads, int64_t head, int64_t d, float* dst, bool transpose) {
+// Copies head `head` of a [T, heads, D] slab transposed, into a dense [D, T]: the B operand of
+// Q K^T (and of dO V^T). Every other operand is read or written in place through its row stride.
+inline void GatherTransposed(const float* slab, int64_t t, int64_t heads, int64_t head, int64_t d, float* dst) {
   for (int64_t i = 0; i < t; ++i)
-    for (int64_t c = 0; c < d; ++c) {
-      const float x = slab[(i * heads + head) * d + c];
-      if (transpose) dst[c * t + i] = x; else dst[i * d + c] = x;
-    }
-}
-
-inline void Scatter(const float* src, int64_t t, int64_t heads, int64_t head, int64_t d, float* slab) {
-  for (int64_t i = 0; i < t; ++i)
-    for (int64_t c = 0; c < d; ++c) slab[(i * heads + head) * d + c] = src[i * d + c];
+    for (int64_t c = 0; c < d; ++c) dst[c * t + i] = slab[(i * heads + head) * d + c];
 }
 
 // Causal ranges for a row block starting at i0: keys [0, i0 + kRows) (rounded up to a vector
@@ -187,27 +180,24 @@ void ForwardTask(const Dims& m, float scale, const float* qp, const float* kp, c
                  int64_t task) {
   const int64_t g = m.h / m.kvh, t = m.t, d = m.d;
   const int64_t bi = task / m.kvh, kh = task % m.kvh;
+  const int64_t qs = m.h * d, ks = m.kvh * d;  // row strides of the [T, heads, D] slabs
   thread_local std::vector<float> buffer;
-  buffer.resize(4 * t * d + t * t);
+  buffer.resize(t * d + t * t);
   float* kt = buffer.data();
-  float* vv = kt + t * d;
-  float* qq = vv + t * d;
-  float* out = qq + t * d;
-  float* s = out + t * d;
-  Gather(kp + bi * t * m.kvh * d, t, m.kvh, kh, d, kt, true);
-  Gather(vp + bi * t * m.kvh * d, t, m.kvh, kh, d, vv, false);
+  float* s = kt + t * d;
+  GatherTransposed(kp + bi * t * ks, t, m.kvh, kh, d, kt);
+  const float* vv = vp + bi * t * ks + kh * d;
+  auto all_d = [&](int64_t) { return std::make_pair(int64_t{0}, d); };
   for (int64_t hh = kh * g; hh < (kh + 1) * g; ++hh) {
-    Gather(qp + bi * t * m.h * d, t, m.h, hh, d, qq, false);
-    for (int64_t i = 0; i < t * d; ++i) qq[i] *= scale;
-    // S = (s Q) K^T on the columns a row block can see
+    const float* qq = qp + bi * t * qs + hh * d;
+    // S = Q K^T on the columns a row block can see (scaled in the softmax below)
     for (int64_t i0 = 0; i0 < t; i0 += kRows)
-      Gemm(kRows, Columns(i0, t), qq + i0 * d, d, 1, kt, t, s + i0 * t, t, false,
-              [&](int64_t) { return std::make_pair(int64_t{0}, d); });
+      Gemm(kRows, Columns(i0, t), qq + i0 * qs, qs, 1, kt, t, s + i0 * t, t, false, all_d);
     float* lrow = lp + (bi * m.h + hh) * t;
     for (int64_t i = 0; i < t; ++i) {
       float* si = s + i * t;
       const int64_t n = Visible16(i);
-      for (int64_t j = i + 1; j < n; ++j) si[j] = -INFINITY;  // Exp gives 0 there
+      for (int64_t j = 0; j < n; ++j) si[j] = j <= i ? si[j] * scale : -INFINITY;  // Exp gives 0 there
       const float mx = Max16(si, n);
       for (int64_t j = 0; j < n; ++j) si[j] = Exp(si[j] - mx);
       const float l = Sum16(si, n);
@@ -216,9 +206,8 @@ void ForwardTask(const Dims& m, float scale, const float* qp, const float* kp, c
       for (int64_t j = n; j < t; ++j) si[j] = 0.0f;
       lrow[i] = mx + std::log(l);
     }
-    Gemm(t, d, s, t, 1, vv, d, out, d, false,
-            [&](int64_t i0) { return std::make_pair(int64_t{0}, KeysUpTo(i0, t)); });
-    Scatter(out, t, m.h, hh, d, op + bi * t * m.h * d);
+    Gemm(t, d, s, t, 1, vv, ks, op + bi * t * qs + hh * d, qs, false,
+         [&](int64_t i0) { return std::make_pair(int64_t{0}, KeysUpTo(i0, t)); });
   }
 }
 
@@ -238,32 +227,32 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
   return ffi::Error::Success();
 }
 
-// One (batch, kv head) pair of the backward: dK and dV summed over its query heads here.
+// One (batch, kv head) pair of the backward: dK and dV summed over its query heads here, written by
+// the first and added to by the others.
 void BackwardTask(const Dims& m, float scale, const float* qp, const float* kp, const float* vp, const float* op,
                   const float* lp, const float* dop, float* dqp, float* dkp, float* dvp, int64_t task) {
   const int64_t g = m.h / m.kvh, t = m.t, d = m.d;
   const int64_t bi = task / m.kvh, kh = task % m.kvh;
+  const int64_t qs = m.h * d, ks = m.kvh * d;  // row strides of the [T, heads, D] slabs
   thread_local std::vector<float> buffer;
-  buffer.resize(10 * t * d + 2 * t * t);
-  float *kt = buffer.data(), *vt = kt + t * d, *kk = vt + t * d, *qq = kk + t * d, *oo = qq + t * d, *dd = oo + t * d,
-        *grad = dd + t * d, *dkl = grad + t * d, *dvl = dkl + t * d, *p = dvl + t * d, *ds = p + t * t;
-  std::fill(dkl, dkl + 2 * t * d, 0.0f);  // dK and dV are sums
-  const float* kslab = kp + bi * t * m.kvh * d;
-  Gather(kslab, t, m.kvh, kh, d, kt, true);
-  Gather(kslab, t, m.kvh, kh, d, kk, false);
-  Gather(vp + bi * t * m.kvh * d, t, m.kvh, kh, d, vt, true);
+  buffer.resize(2 * t * d + 2 * t * t);
+  float *kt = buffer.data(), *vt = kt + t * d, *p = vt + t * d, *ds = p + t * t;
+  const int64_t koff = bi * t * ks + kh * d, qoff = bi * t * qs;
+  GatherTransposed(kp + bi * t * ks, t, m.kvh, kh, d, kt);
+  GatherTransposed(vp + bi * t * ks, t, m.kvh, kh, d, vt);
+  const float* kk = kp + koff;
+  float* dk = dkp + koff;
+  float* dv = dvp + koff;
   auto all_d = [&](int64_t) { return std::make_pair(int64_t{0}, d); };
   auto keys = [&](int64_t i0) { return std::make_pair(int64_t{0}, KeysUpTo(i0, t)); };
   auto rows_from = [&](int64_t j0) { return std::make_pair(j0, t); };  // row i sees key j only if i >= j
   for (int64_t hh = kh * g; hh < (kh + 1) * g; ++hh) {
-    const int64_t qoff = bi * t * m.h * d;
-    Gather(qp + qoff, t, m.h, hh, d, qq, false);
-    Gather(op + qoff, t, m.h, hh, d, oo, false);
-    Gather(dop + qoff, t, m.h, hh, d, dd, false);
+    const bool first = hh == kh * g;
+    const float *qq = qp + qoff + hh * d, *oo = op + qoff + hh * d, *dd = dop + qoff + hh * d;
     for (int64_t i0 = 0; i0 < t; i0 += kRows) {
       const int64_t cols = Columns(i0, t);
-      Gemm(kRows, cols, qq + i0 * d, d, 1, kt, t, p + i0 * t, t, false, all_d);
-      Gemm(kRows, cols, dd + i0 * d, d, 1, vt, t, ds + i0 * t, t, false, all_d);  // dP
+      Gemm(kRows, cols, qq + i0 * qs, qs, 1, kt, t, p + i0 * t, t, false, all_d);
+      Gemm(kRows, cols, dd + i0 * qs, qs, 1, vt, t, ds + i0 * t, t, false, all_d);  // dP
     }
     const float* lrow = lp + (bi * m.h + hh) * t;
     for (int64_t i = 0; i < t; ++i) {
@@ -271,7 +260,7 @@ void BackwardTask(const Dims& m, float scale, const float* qp, const float* kp, 
       float* dsi = ds + i * t;
       float prod[16] = {};  // rowsum(dO * O) in 16 lanes (d % 16 == 0)
       for (int64_t c = 0; c < d; c += 16)
-        for (int j = 0; j < 16; ++j) prod[j] += dd[i * d + c + j] * oo[i * d + c + j];
+        for (int j = 0; j < 16; ++j) prod[j] += dd[i * qs + c + j] * oo[i * qs + c + j];
       const float di = Sum16(prod, 16), li = lrow[i];
       const int64_t n = Visible16(i);
       for (int64_t j = i + 1; j < n; ++j) pi[j] = -INFINITY;
@@ -279,14 +268,10 @@ void BackwardTask(const Dims& m, float scale, const float* qp, const float* kp, 
       for (int64_t j = 0; j < n; ++j) dsi[j] = pi[j] * (dsi[j] - di) * scale;  // dQ's and dK's scale, once
       for (int64_t j = n; j < t; ++j) pi[j] = dsi[j] = 0.0f;
     }
-    Gemm(t, d, ds, t, 1, kk, d, grad, d, false, keys);  // dQ = s dS K
-    Scatter(grad, t, m.h, hh, d, dqp + qoff);
-    Gemm(t, d, ds, 1, t, qq, d, dkl, d, true, rows_from);  // dK += s dS^T Q
-    Gemm(t, d, p, 1, t, dd, d, dvl, d, true, rows_from);  // dV += P^T dO
+    Gemm(t, d, ds, t, 1, kk, ks, dqp + qoff + hh * d, qs, false, keys);  // dQ = s dS K
+    Gemm(t, d, ds, 1, t, qq, qs, dk, ks, !first, rows_from);  // dK (+)= s dS^T Q
+    Gemm(t, d, p, 1, t, dd, qs, dv, ks, !first, rows_from);  // dV (+)= P^T dO
   }
-  const int64_t koff = bi * t * m.kvh * d;
-  Scatter(dkl, t, m.kvh, kh, d, dkp + koff);
-  Scatter(dvl, t, m.kvh, kh, d, dvp + koff);
 }
 
 ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,

@@ -15,7 +15,7 @@ With ``scan_layers`` the blocks are one module whose parameters are stacked on a
 flat as depth grows. The initial values equal the unstacked layout's. ``remat`` recomputes each
 block's activations in the backward pass: 'full' saves only the block input, 'save_matmuls'
 also keeps the weight-matmul outputs (JAX's ``dots_with_no_batch_dims_saveable``, MaxText's
-"minimal" policy).
+"minimal" policy, and the fused CPU matmul's, named ``cpu_matmul``).
 """
 from __future__ import annotations
 
@@ -26,11 +26,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtrain.models.layers import RMSNorm, param, project
+from jaxtrain.models.layers import MATMUL_NAME, RMSNorm, param, project
 from jaxtrain.parallel import offload, pipeline
 from jaxtrain.parallel.activations import constrain
 
-REMAT_POLICIES = {"full": None, "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+_POLICIES = jax.checkpoint_policies
+REMAT_POLICIES = {"full": None, "save_matmuls": _POLICIES.save_from_both_policies(
+    _POLICIES.dots_with_no_batch_dims_saveable, _POLICIES.save_only_these_names(MATMUL_NAME))}
 
 # (block, x [batch, length, embed], extras {name: [batch, ...]}) -> (x, aux): one block applied, aux a
 # pytree of arrays or None. ``extras`` are the per-example inputs (positions, segment ids, masks),
@@ -239,4 +241,5 @@ class Decoder(nnx.Module):
         dt = jnp.dtype(self.cfg.dtype)
         x = self.final_norm(x)
         head = self.embed.embedding[...].T if self.cfg.tie_embeddings else self.lm_head[...]
-        return constrain(project(x, head.astype(dt)).astype(jnp.float32), "batch", "length", "vocab")
+        return constrain(project(x, head.astype(dt), implementation=self.cfg.matmul).astype(jnp.float32),
+                         "batch", "length", "vocab")

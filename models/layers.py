@@ -1,4 +1,5 @@
-"""Building blocks every decoder family shares: the parameter initialiser, the projection, RMSNorm.
+"""Building blocks every decoder family shares: the parameter initialiser, the projection (and its
+matmul's implementation, ``model.matmul``), RMSNorm.
 
 They take a family's config object and read only the keys named in each docstring, so a family
 (``models/<name>/config.py``) provides them under these names. Every parameter carries its
@@ -6,14 +7,30 @@ logical axis names in the ``axes`` metadata; no mesh is named here.
 """
 from __future__ import annotations
 
+import logging
 import math
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
-from jaxtrain.parallel.activations import devices_along
+from jaxtrain.errors import ConfigError
+from jaxtrain.kernels import cpu_fused, cpu_matmul, target
+from jaxtrain.parallel.activations import active_sharding, devices_along
+
+log = logging.getLogger("jaxtrain")
+
+MATMULS = ("auto", "xla", "cpu_fused")
+# model.matmul=auto takes the fused kernel for products of fewer FLOPs only. Measured on a 2-core Intel
+# Xeon, one op at a time against XLA's dots: the shakespeare-char model's (17-68 MFLOP) 1.4-2.2x as fast,
+# the 25M model's (1.1-2.9 GFLOP) 0.65-1.06x, and its train step 1.17-1.24x as slow (docs/benchmarks.md).
+AUTO_MAX_FLOPS = 256e6
+# The fused kernel's outputs carry this name, so that model.remat=save_matmuls keeps them as it keeps
+# XLA's dots (models/decoder.py).
+MATMUL_NAME = "cpu_matmul"
+_logged: set = set()
 
 
 def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple, std: float, dtype: str) -> nnx.Param:
@@ -22,7 +39,7 @@ def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple, std: float, dtype
     return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.dtype(dtype)), axes=axes)
 
 
-def project(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
+def project(x: jax.Array, w: jax.Array, n_in: int = 1, implementation: str = "auto") -> jax.Array:
     """Contracts x's last ``n_in`` dims with w's first ``n_in``: [*lead, *in] x [*in, *out] -> [*lead, *out].
 
     Done as one 2-D matmul on [prod(lead), prod(in)] (row-major reshapes are free): XLA:CPU
@@ -31,6 +48,11 @@ def project(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
     slower. When the rules split the logical 'length' over devices (sp), a plain tensordot
     instead: merging a split length into the batch made GSPMD all-gather ~10x more. (tp splits
     'residual_length' instead; the projection gathers it either way, with the same collectives.)
+    ``implementation``: ``model.matmul`` (:func:`matmul_choice`).
+
+    Raises:
+      ConfigError: ``cpu_fused`` where it cannot run (another backend, more than one device,
+        non-float32 operands, no kernel).
     """
     lead, dims_in, dims_out = x.shape[:x.ndim - n_in], w.shape[:n_in], w.shape[n_in:]
     if len(lead) == 2 and devices_along(lead, ("batch", "length"), 1) > 1:
@@ -38,7 +60,52 @@ def project(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
         # would make GSPMD gather it, so contract the 3-D layout directly.
         return jnp.tensordot(x, w, axes=n_in)
     k = math.prod(dims_in)
-    return (x.reshape(-1, k) @ w.reshape(k, -1)).reshape(*lead, *dims_out)
+    x2, w2 = x.reshape(-1, k), w.reshape(k, -1)
+    if matmul_choice(implementation, x2, w2) == "cpu_fused":
+        out = checkpoint_name(cpu_matmul.matmul(x2, w2), MATMUL_NAME)
+    else:
+        out = x2 @ w2
+    return out.reshape(*lead, *dims_out)
+
+
+def fused_matmul_problem(x: jax.Array, w: jax.Array) -> Optional[str]:
+    """Why the fused XLA:CPU matmul (:mod:`jaxtrain.kernels.cpu_matmul`) cannot take ``x @ w`` here, or
+    None: another backend, more than one device (the trainer's mesh while it traces, else every device
+    JAX has: a custom call is opaque to XLA's partitioner), its operands, or a kernel that did not build."""
+    backend = target.backend()
+    if backend != "cpu":
+        return f"an XLA:CPU kernel; the backend is '{backend}'"
+    active = active_sharding()
+    devices = active[1].size if active is not None else jax.device_count()
+    if devices > 1:
+        return f"runs on one device, here {devices}"
+    return cpu_matmul.shape_problem(x, w) or cpu_fused.problem()
+
+
+def matmul_choice(implementation: str, x: jax.Array, w: jax.Array) -> str:
+    """``model.matmul``: 'xla' (XLA's dot), 'cpu_fused' (the fused XLA:CPU kernel), or 'auto': the
+    kernel where :func:`fused_matmul_problem` finds nothing against it and the product ``x @ w``
+    ([tokens, in] x [in, out]) is under :data:`AUTO_MAX_FLOPS`, else XLA's dot (said once per reason).
+
+    Raises:
+      ConfigError: an unknown name, or ``cpu_fused`` where it cannot run.
+    """
+    if implementation not in MATMULS:
+        raise ConfigError(f"model.matmul: unknown implementation '{implementation}' (known: {', '.join(MATMULS)})")
+    if implementation == "xla":
+        return "xla"
+    why = fused_matmul_problem(x, w)
+    if implementation == "cpu_fused":
+        if why:
+            raise ConfigError(f"model.matmul=cpu_fused cannot run here: {why} (use auto or xla)")
+        return "cpu_fused"
+    if why is None and 2 * x.shape[0] * x.shape[1] * w.shape[1] >= AUTO_MAX_FLOPS:
+        why = f"products of {AUTO_MAX_FLOPS / 1e6:.0f} MFLOP or more, where XLA's dots are as fast"
+    choice, reason = ("xla", why) if why else ("cpu_fused", "backend cpu, one device, float32")
+    if (choice, reason) not in _logged:
+        _logged.add((choice, reason))
+        log.info("model.matmul=auto -> %s (%s)", choice, reason)
+    return choice
 
 
 class RMSNorm(nnx.Module):

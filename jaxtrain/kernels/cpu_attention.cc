@@ -17,17 +17,18 @@
 //
 // Layouts (row-major, float32): q, o, dq [B, T, H, D]; k, v, dk, dv [B, T, KVH, D]; lse [B, H, T].
 // T and D must be multiples of 16. Tasks are spread over XLA's intra-op thread pool and the
-// calling thread. Built and loaded by jaxtrain/kernels/cpu_fused.py.
+// calling thread (cpu_parallel.h), each thread starting on the batch elements whose token rows its CPU
+// had in the kernel before (the projections' matmul, cpu_matmul.cc, cuts its rows the same way).
+// Built and loaded by jaxtrain/kernels/cpu_fused.py.
 #include <algorithm>
 #include <atomic>
 #include <bit>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <vector>
 
+#include "cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -37,46 +38,6 @@ namespace {
 struct Dims {
   int64_t b, t, h, kvh, d;
 };
-
-// Runs body(task) for task in [0, n) on this thread and on those of the pool's threads that start
-// before the work is done. It never waits for a pool thread that has not started (the pool may be
-// busy, or this may be one of its threads), and a thread that starts late touches nothing.
-// This thread and at most num_threads - 1 helpers: as many threads as the pool has, whether this
-// thread is one of them (inside a program) or the caller's (a one-op program runs on the caller;
-// one helper more there put three threads on two cores).
-template <typename Body>
-void ParallelFor(ffi::ThreadPool& pool, int64_t n, Body body) {
-  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, n - 1);
-  if (helpers <= 0) {
-    for (int64_t i = 0; i < n; ++i) body(i);
-    return;
-  }
-  struct Shared {
-    std::atomic<int64_t> next{0};
-    std::mutex mu;
-    std::condition_variable cv;
-    int64_t active = 0;
-    bool done = false;
-  };
-  auto shared = std::make_shared<Shared>();
-  Body* work = &body;
-  for (int64_t w = 0; w < helpers; ++w) {
-    pool.Schedule([shared, work, n]() {
-      {
-        std::lock_guard<std::mutex> lock(shared->mu);
-        if (shared->done) return;
-        ++shared->active;
-      }
-      for (int64_t i = shared->next.fetch_add(1); i < n; i = shared->next.fetch_add(1)) (*work)(i);
-      std::lock_guard<std::mutex> lock(shared->mu);
-      if (--shared->active == 0) shared->cv.notify_one();
-    });
-  }
-  for (int64_t i = shared->next.fetch_add(1); i < n; i = shared->next.fetch_add(1)) body(i);
-  std::unique_lock<std::mutex> lock(shared->mu);
-  shared->done = true;
-  shared->cv.wait(lock, [&] { return shared->active == 0; });
-}
 
 // exp(x) for x <= 88, vectorizable (std::exp is a call per element): x = n ln2 + r with |r| <= ln2/2,
 // exp(r) by Cephes' expf polynomial (S. Moshier), 2^n put into the exponent bits. Relative error
@@ -223,7 +184,8 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
   const float* vp = v.typed_data();
   float* op = o->typed_data();
   float* lp = lse->typed_data();
-  ParallelFor(pool, m.b * m.kvh, [&](int64_t task) { ForwardTask(m, scale, qp, kp, vp, op, lp, task); });
+  jaxtrain::ParallelFor(pool, m.b * m.kvh, pool.num_threads(),
+                        [&](int64_t task) { ForwardTask(m, scale, qp, kp, vp, op, lp, task); });
   return ffi::Error::Success();
 }
 
@@ -290,8 +252,8 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
   float* dqp = dq->typed_data();
   float* dkp = dk->typed_data();
   float* dvp = dv->typed_data();
-  ParallelFor(pool, m.b * m.kvh,
-              [&](int64_t task) { BackwardTask(m, scale, qp, kp, vp, op, lp, dop, dqp, dkp, dvp, task); });
+  jaxtrain::ParallelFor(pool, m.b * m.kvh, pool.num_threads(),
+                        [&](int64_t task) { BackwardTask(m, scale, qp, kp, vp, op, lp, dop, dqp, dkp, dvp, task); });
   return ffi::Error::Success();
 }
 

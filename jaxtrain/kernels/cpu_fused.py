@@ -1,18 +1,20 @@
-"""Causal self-attention as one fused XLA:CPU kernel (``cpu_attention.cc``, XLA FFI), built on
-first use with the machine's C++ compiler and kept in a cache.
+"""jaxtrain's XLA:CPU kernels (XLA FFI, C++): causal self-attention (``cpu_attention.cc``) and the
+projections' matmul (``cpu_matmul.cc``, :mod:`jaxtrain.kernels.cpu_matmul`), built together on first
+use with the machine's C++ compiler and kept in a cache.
 
-Why: a short sequence's attention on a CPU is many tiny matmuls (one per batch element and head)
-that XLA runs at a fraction of the matmul rate. The kernel does one (batch, kv head) pair per task,
-with its keys and values in cache, its score tiles in vector registers and its rows' softmax in
-between; the backward recomputes the probabilities from the forward's log-sum-exp, as in
-FlashAttention (Dao et al. 2022). Tasks run on XLA's intra-op threads and the calling one. Each task
-writes only its own outputs, so results do not depend on the thread count or on the other rows of
-the batch.
+Why the attention: a short sequence's attention on a CPU is many tiny matmuls (one per batch element
+and head) that XLA runs at a fraction of the matmul rate. The kernel does one (batch, kv head) pair
+per task, with its keys and values in cache, its score tiles in vector registers and its rows'
+softmax in between; the backward recomputes the probabilities from the forward's log-sum-exp, as in
+FlashAttention (Dao et al. 2022). Tasks run on XLA's intra-op threads and the calling one
+(``cpu_parallel.h``). Each task writes only its own outputs, so results do not depend on the thread
+count or on the other rows of the batch.
 
 The library is compiled with ``$CXX`` (default ``c++``) for this CPU (``-march=native``) into
 ``$JAXTRAIN_KERNEL_CACHE_DIR`` (default ``~/.cache/jaxtrain/kernels``), named by a hash of the
-source, the compiler, jaxlib and the CPU, so a change of any of them builds anew (~4 s). Without a
-compiler, :func:`problem` says why and ``model.attention=auto`` uses ``blockwise``.
+sources, the compiler, jaxlib and the CPU, so a change of any of them builds anew (~6 s). Without a
+compiler, :func:`problem` says why, ``model.attention=auto`` uses ``blockwise`` and
+``model.matmul=auto`` XLA's dots.
 """
 from __future__ import annotations
 
@@ -38,9 +40,11 @@ import numpy as np
 
 log = logging.getLogger("jaxtrain")
 
-SOURCE = Path(__file__).with_name("cpu_attention.cc")
+SOURCES = (Path(__file__).with_name("cpu_attention.cc"), Path(__file__).with_name("cpu_matmul.cc"))
+HEADERS = (Path(__file__).with_name("cpu_parallel.h"),)
 FORWARD, BACKWARD = "jaxtrain_cpu_attention_fwd", "jaxtrain_cpu_attention_bwd"
-TARGETS = (FORWARD, BACKWARD)
+MATMUL = "jaxtrain_cpu_matmul"
+TARGETS = (FORWARD, BACKWARD, MATMUL)
 MAX_LENGTH = 1024  # two [length, length] float32 tiles per thread: 8 MiB at 1024
 STALE_S = 600  # a temporary library this old is a killed build's leftover (a build takes seconds)
 FLAGS = ("-std=c++20", "-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared", "-w")
@@ -72,9 +76,10 @@ def _library(compiler: list[str]) -> Path:
     """Where the shared library for this source, compiler, jaxlib and CPU is (or would be) cached."""
     import jaxlib
     version = _version(tuple(compiler))
-    digest = hashlib.sha256("\0".join([SOURCE.read_text(), version, jaxlib.__version__, " ".join(FLAGS),
+    texts = [path.read_text() for path in (*SOURCES, *HEADERS)]
+    digest = hashlib.sha256("\0".join([*texts, version, jaxlib.__version__, " ".join(FLAGS),
                                        _cpu_signature()]).encode()).hexdigest()[:16]
-    return cache_dir() / f"cpu_attention-{digest}.so"
+    return cache_dir() / f"cpu_kernels-{digest}.so"
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,7 +108,7 @@ def _build(compiler: list[str]) -> Path:
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        done = subprocess.run([*compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp],
+        done = subprocess.run([*compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", tmp],
                               capture_output=True, text=True, timeout=600)
         name = " ".join(compiler)
         if done.returncode:
@@ -166,9 +171,10 @@ def _register() -> Optional[str]:
         jax.ffi.register_ffi_target(FORWARD, jax.ffi.pycapsule(library.JaxtrainCpuAttentionForward), platform="cpu")
         jax.ffi.register_ffi_target(BACKWARD, jax.ffi.pycapsule(library.JaxtrainCpuAttentionBackward),
                                     platform="cpu")
+        jax.ffi.register_ffi_target(MATMUL, jax.ffi.pycapsule(library.JaxtrainCpuMatmul), platform="cpu")
         _state["library"] = path.name
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as err:
-        log.warning("model.attention: the fused CPU kernel could not be built (%s)", err)
+        log.warning("the XLA:CPU kernels (model.attention and model.matmul cpu_fused) could not be built (%s)", err)
         return f"the kernel did not build: {err}"
     return None
 

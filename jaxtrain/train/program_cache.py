@@ -119,8 +119,10 @@ def key(s: Any) -> str:
     devices = [(d.platform, d.device_kind, d.id) for d in s.devices]
     config = {k: repr(v) for k, v in sorted(jax.config.values.items()) if "cache" not in k and "log" not in k}
     versions = [sys.version, jax.__version__, jaxlib.__version__, flax.__version__, optax.__version__]
-    kernel = ""  # model.attention=auto traces the fused CPU kernel only where it built: a fallback is its own entry
-    if getattr(s.model_config, "attention", None) in ("auto", "cpu_fused") and s.devices[0].platform == "cpu":
+    # model.attention/matmul=auto trace the fused CPU kernels only where they built: a fallback is its own entry
+    kernel = ""
+    fused = [getattr(s.model_config, key, None) in ("auto", "cpu_fused") for key in ("attention", "matmul")]
+    if any(fused) and s.devices[0].platform == "cpu":
         from jaxtrain.kernels import cpu_fused
         kernel = cpu_fused.availability()
     h = hashlib.sha256()
@@ -273,10 +275,11 @@ def calls_lapack(exp: Any) -> bool:
 
 
 def uses_fused_kernel(exp: Any) -> bool:
-    """Whether an Exported calls jaxtrain's fused CPU attention (``jaxtrain.kernels.cpu_fused``), a
-    custom call jax.export does not vouch for: exported with that check disabled, and registered with
-    XLA before an entry that calls it is compiled."""
-    return b"jaxtrain_cpu_attention" in exp.mlir_module_serialized
+    """Whether an Exported calls jaxtrain's fused CPU kernels (``jaxtrain.kernels.cpu_fused``: the
+    attention, the matmul), custom calls jax.export does not vouch for: exported with that check
+    disabled, and registered with XLA before an entry that calls them is compiled."""
+    from jaxtrain.kernels import cpu_fused
+    return any(name.encode() in exp.mlir_module_serialized for name in cpu_fused.TARGETS)
 
 
 _skip_lapack = threading.local()
@@ -407,7 +410,7 @@ def _load(entry: Path, name: str, leaves: list, refs: dict):
         return None, None
     if uses_fused_kernel(exp):  # its custom calls must be registered before it compiles
         from jaxtrain.kernels import cpu_fused
-        if cpu_fused.problem() is not None:  # gone (no compiler now): traced again, for another attention
+        if cpu_fused.problem() is not None:  # gone (no compiler now): traced again, for XLA's ops instead
             return None, None
     os.utime(entry)  # recently used: kept by _prune
     _say(meta.get("log", []))

@@ -60,6 +60,8 @@ class LlamaConfig(ModelConfig):
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     # auto | xla | blockwise | cudnn | pallas | ring; see models/attention.py and README "Attention"
     attention: Literal["auto", "xla", "blockwise", "cpu_fused", "cudnn", "pallas", "ring"] = "auto"
+    # the projections' matmul: auto | xla | cpu_fused; see models/layers.py matmul_choice
+    matmul: Literal["auto", "xla", "cpu_fused"] = "auto"
     init_std: float = 0.02
     scan_layers: bool = False  # stack the blocks and lax.scan over them (flat compile time in depth)
     remat: Literal["none", "full", "save_matmuls"] = "none"  # activation recompute per block
@@ -106,6 +108,8 @@ class LlamaConfig(ModelConfig):
             raise ConfigError(f"model.attention: {problem}")
         if self.attention == "cpu_fused":
             self._check_fused(cfg, axis_sizes)
+        if self.matmul == "cpu_fused":
+            self._check_fused_matmul(axis_sizes, platform)
         seq = axis_sizes["sequence"]
         if self.attention == "ring" and cfg.data.seq_len % (2 * seq):
             raise ConfigError(f"data.seq_len: {cfg.data.seq_len} is not divisible by 2 * mesh.sequence = "
@@ -132,6 +136,17 @@ class LlamaConfig(ModelConfig):
         if cfg.data.mode != "windows":
             raise ConfigError(f"data.mode: model.attention=cpu_fused takes no segment ids, which data.mode="
                               f"{cfg.data.mode} gives (use data.mode=windows, or model.attention=auto)")
+
+    def _check_fused_matmul(self, axis_sizes: dict[str, int], platform: Optional[str]) -> None:
+        """What model.matmul=cpu_fused needs (jaxtrain/kernels/cpu_matmul.py), named by the key to change."""
+        if platform and platform != "cpu":
+            raise ConfigError(f"model.matmul: cpu_fused is an XLA:CPU kernel; the backend is '{platform}' (use auto)")
+        devices = math.prod(axis_sizes.values())
+        if devices > 1:
+            raise ConfigError(f"model.matmul: cpu_fused runs on one device; the mesh has {devices} (use auto or xla)")
+        if self.dtype != "float32":
+            raise ConfigError(f"model.dtype: model.matmul=cpu_fused computes in float32; got {self.dtype} "
+                              f"(use model.matmul=auto or xla)")
 
     def _check_stages(self, cfg, stages: int) -> None:
         """The layers split evenly into the pipeline's stages (and the circular schedule's chunks)."""

@@ -109,9 +109,9 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array, positions: Optional[jax.Array],
                  segment_ids: Optional[jax.Array] = None) -> jax.Array:
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
-        q = project(x, self.wq[...].astype(dt))  # [b, t, heads, kv]
-        k = project(x, self.wk[...].astype(dt))
-        v = project(x, self.wv[...].astype(dt))
+        q = project(x, self.wq[...].astype(dt), implementation=cfg.matmul)  # [b, t, heads, kv]
+        k = project(x, self.wk[...].astype(dt), implementation=cfg.matmul)
+        v = project(x, self.wv[...].astype(dt), implementation=cfg.matmul)
         q = constrain(rotary(q, positions, cfg.rope_theta, cfg.rope_scaling), "batch", "length", "heads", "kv")
         # K/V get their own length name: sequence parallelism gathers them over the full length.
         # Ring attention keeps K/V split like the queries (it rotates them), so no gather.
@@ -121,14 +121,14 @@ class Attention(nnx.Module):
         q, k, v = (checkpoint_name(a, "qkv") for a in (q, k, v))  # offload.activations names (see Block)
         out = attention(q, k, v, segment_ids=segment_ids, implementation=cfg.attention)
         out = checkpoint_name(constrain(out, "batch", "length", "heads", "kv"), "attn_out")
-        return project(out, self.wo[...].astype(dt), n_in=2)
+        return project(out, self.wo[...].astype(dt), n_in=2, implementation=cfg.matmul)
 
 
 class MLP(nnx.Module):
     """SwiGLU: w_down(silu(x w_gate) * (x w_up)). [batch, length, embed] -> same."""
 
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
-        self.dtype = jnp.dtype(cfg.dtype)
+        self.dtype, self.matmul = jnp.dtype(cfg.dtype), cfg.matmul
         d, f, pd = cfg.d_model, cfg.d_ff, cfg.param_dtype
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
         self.w_gate = param(rngs, (d, f), ("embed", "mlp"), cfg.init_std, pd)
@@ -136,10 +136,10 @@ class MLP(nnx.Module):
         self.w_down = param(rngs, (f, d), ("mlp", "embed"), out_std, pd)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        dt = self.dtype
-        gate = jax.nn.silu(project(x, self.w_gate[...].astype(dt)))
-        hidden = constrain(gate * project(x, self.w_up[...].astype(dt)), "batch", "length", "mlp")
-        return project(checkpoint_name(hidden, "mlp_hidden"), self.w_down[...].astype(dt))
+        dt, mm = self.dtype, self.matmul
+        gate = jax.nn.silu(project(x, self.w_gate[...].astype(dt), implementation=mm))
+        hidden = constrain(gate * project(x, self.w_up[...].astype(dt), implementation=mm), "batch", "length", "mlp")
+        return project(checkpoint_name(hidden, "mlp_hidden"), self.w_down[...].astype(dt), implementation=mm)
 
 
 class Block(nnx.Module):

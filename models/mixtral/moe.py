@@ -79,7 +79,8 @@ class MoE(nnx.Module):
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         x = constrain(x, "batch", "length", "embed")
         valid = jnp.ones(x.shape[:2], bool) if mask is None else mask.astype(bool)
-        logits = project(x.astype(jnp.float32), self.router[...].astype(jnp.float32))  # [b, t, E]
+        logits = project(x.astype(jnp.float32), self.router[...].astype(jnp.float32),
+                         implementation=cfg.matmul)  # [b, t, E]
         probs = jax.nn.softmax(logits, axis=-1)
         top, idx = top_k(probs, cfg.top_k)
         combine = jnp.where(valid[..., None], top / top.sum(-1, keepdims=True), 0.0)

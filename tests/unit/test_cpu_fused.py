@@ -125,7 +125,7 @@ def test_a_failed_build_is_reported_and_leaves_nothing_behind(tmp_path, monkeypa
     monkeypatch.setenv("JAXTRAIN_KERNEL_CACHE_DIR", str(tmp_path))
     broken = tmp_path / "broken.cc"
     broken.write_text("this is not C++\n")
-    monkeypatch.setattr(cpu_fused, "SOURCE", broken)
+    monkeypatch.setattr(cpu_fused, "SOURCES", (broken,))
     with pytest.raises(RuntimeError, match=r"c\+\+ failed \(1\): .*broken.cc"):
         cpu_fused._build(["c++"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.cc"]  # no library, no temporary
@@ -136,10 +136,17 @@ def test_the_library_is_built_once_and_named_by_what_it_was_built_from(tmp_path,
     first = cpu_fused._build(["c++"])
     stamp = first.stat().st_mtime_ns
     assert cpu_fused._build(["c++"]) == first and first.stat().st_mtime_ns == stamp  # cached
-    changed = tmp_path / "cpu_attention.cc"
-    changed.write_text(cpu_fused.SOURCE.read_text() + "\n// another revision\n")
-    monkeypatch.setattr(cpu_fused, "SOURCE", changed)
-    assert cpu_fused._build(["c++"]) != first
+    for i, source in enumerate(cpu_fused.SOURCES):  # each source, and the header they share
+        changed = tmp_path / source.name
+        changed.write_text(source.read_text() + "\n// another revision\n")
+        monkeypatch.setattr(cpu_fused, "SOURCES", (*cpu_fused.SOURCES[:i], changed, *cpu_fused.SOURCES[i + 1:]))
+        assert cpu_fused._library(["c++"]) != first
+        monkeypatch.undo()
+        monkeypatch.setenv("JAXTRAIN_KERNEL_CACHE_DIR", str(tmp_path))
+    header = tmp_path / "cpu_parallel.h"
+    header.write_text(cpu_fused.HEADERS[0].read_text() + "\n// another revision\n")
+    monkeypatch.setattr(cpu_fused, "HEADERS", (header,))
+    assert cpu_fused._library(["c++"]) != first
 
 
 def test_a_new_process_loading_a_cached_program_registers_the_kernel_first(tmp_path, corpus_path):

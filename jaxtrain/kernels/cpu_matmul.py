@@ -1,0 +1,76 @@
+"""The projections' matmul as an XLA:CPU kernel (``cpu_matmul.cc``, XLA FFI), float32, with its
+gradients through the same kernel: ``model.matmul=cpu_fused`` (:func:`jaxtrain.models.layers.project`).
+
+Why: XLA:CPU's dots split a small product (the shakespeare-char model's ``[768, 128] x [128, 344]``
+and its gradients) poorly over two cores. The kernel cuts each call into runs of token rows and starts
+each thread on the run its CPU had before, and sums the weight gradient's contraction over the tokens
+as one half per thread (see ``cpu_matmul.cc``): on a 2-core Intel Xeon its products ran 1.4-2.2x
+XLA's, and the shakespeare-char train step took 0.90x the time (docs/benchmarks.md).
+
+Built and registered with the attention kernel (:mod:`jaxtrain.kernels.cpu_fused`). One device only:
+a custom call is opaque to XLA's partitioner.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from jaxtrain.kernels import cpu_fused
+
+
+def shape_problem(x: jax.Array, w: jax.Array) -> Optional[str]:
+    """Why the kernel cannot take ``x @ w``, or None: it takes 2-D float32 operands."""
+    if x.ndim != 2 or w.ndim != 2:
+        return f"operands of ranks {x.ndim} and {w.ndim} (it takes 2-D)"
+    if x.dtype != jnp.float32 or w.dtype != jnp.float32:
+        return f"dtypes {x.dtype} and {w.dtype} (it computes float32; model.dtype=float32)"
+    return None
+
+
+def _call(a: jax.Array, b: jax.Array, transpose_a: bool, transpose_b: bool) -> jax.Array:
+    m = a.shape[1] if transpose_a else a.shape[0]
+    n = b.shape[0] if transpose_b else b.shape[1]
+    # sequential under vmap: each member is the 2-D product it would be alone, bit for bit
+    return jax.ffi.ffi_call(cpu_fused.MATMUL, jax.ShapeDtypeStruct((m, n), jnp.float32),
+                            vmap_method="sequential")(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
+
+
+@jax.custom_vjp
+def _matmul(x, w):
+    return _call(x, w, False, False)
+
+
+def _matmul_fwd(x, w):
+    return _call(x, w, False, False), (x, w)
+
+
+def _matmul_bwd(res, dy):
+    x, w = res
+    return _call(dy, w, False, True), _call(x, dy, True, False)  # dx = dy w^T, dw = x^T dy
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x @ w`` through the kernel, and its gradients (``dy w^T`` and ``x^T dy``) likewise.
+
+    Args:
+      x: [tokens, in] float32; w: [in, out] float32.
+    Returns: [tokens, out] float32, each element summed over ``in`` in an order that depends only on
+      ``in`` (so a row is the same bit for bit whatever the other rows are).
+    Raises:
+      RuntimeError: the kernel is not available (:func:`jaxtrain.kernels.cpu_fused.problem` says why).
+      ValueError: operands the kernel does not take (:func:`shape_problem`).
+    """
+    why = cpu_fused.problem()
+    if why:
+        raise RuntimeError(f"model.matmul=cpu_fused: {why}")
+    why = shape_problem(x, w)
+    if why:
+        raise ValueError(f"model.matmul=cpu_fused: {why}")
+    if x.shape[1] != w.shape[0]:
+        raise ValueError(f"model.matmul=cpu_fused: x {x.shape} and w {w.shape} do not contract")
+    return _matmul(x, w)

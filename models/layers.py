@@ -100,8 +100,10 @@ def matmul_choice(implementation: str, x: jax.Array, w: jax.Array) -> str:
             raise ConfigError(f"model.matmul=cpu_fused cannot run here: {why} (use auto or xla)")
         return "cpu_fused"
     if why is None and 2 * x.shape[0] * x.shape[1] * w.shape[1] >= AUTO_MAX_FLOPS:
-        why = f"products of {AUTO_MAX_FLOPS / 1e6:.0f} MFLOP or more, where XLA's dots are as fast"
-    choice, reason = ("xla", why) if why else ("cpu_fused", "backend cpu, one device, float32")
+        why = (f"a {list(x.shape)} x {list(w.shape)} product: {AUTO_MAX_FLOPS / 1e6:.0f} MFLOP or more, where "
+               f"XLA's dots are as fast")
+    choice, reason = ("xla", f"cpu_fused: {why}") if why else (
+        "cpu_fused", f"backend cpu, one device, float32, products under {AUTO_MAX_FLOPS / 1e6:.0f} MFLOP")
     if (choice, reason) not in _logged:
         _logged.add((choice, reason))
         log.info("model.matmul=auto -> %s (%s)", choice, reason)

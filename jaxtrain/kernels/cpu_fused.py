@@ -73,11 +73,12 @@ def _cpu_signature() -> str:
 
 
 def _library(compiler: list[str]) -> Path:
-    """Where the shared library for this source, compiler, jaxlib and CPU is (or would be) cached."""
+    """Where the shared library for these sources, compiler (its command line, flags in ``$CXX``
+    included, and its version), jaxlib and CPU is (or would be) cached."""
     import jaxlib
     version = _version(tuple(compiler))
     texts = [path.read_text() for path in (*SOURCES, *HEADERS)]
-    digest = hashlib.sha256("\0".join([*texts, version, jaxlib.__version__, " ".join(FLAGS),
+    digest = hashlib.sha256("\0".join([*texts, " ".join(compiler), version, jaxlib.__version__, " ".join(FLAGS),
                                        _cpu_signature()]).encode()).hexdigest()[:16]
     return cache_dir() / f"cpu_kernels-{digest}.so"
 

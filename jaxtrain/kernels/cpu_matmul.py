@@ -8,7 +8,9 @@ as one half per thread (see ``cpu_matmul.cc``): on a 2-core Intel Xeon its produ
 XLA's, and the shakespeare-char train step took 0.90x the time (docs/benchmarks.md).
 
 Built and registered with the attention kernel (:mod:`jaxtrain.kernels.cpu_fused`). One device only:
-a custom call is opaque to XLA's partitioner.
+a custom call is opaque to XLA's partitioner. Reverse-mode gradients of first order only (a
+``jax.custom_vjp`` whose backward is two more kernel calls): ``jax.jvp`` and gradients of gradients
+raise JAX's error.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ def shape_problem(x: jax.Array, w: jax.Array) -> Optional[str]:
     if x.ndim != 2 or w.ndim != 2:
         return f"operands of ranks {x.ndim} and {w.ndim} (it takes 2-D)"
     if x.dtype != jnp.float32 or w.dtype != jnp.float32:
-        return f"dtypes {x.dtype} and {w.dtype} (it computes float32; model.dtype=float32)"
+        return f"operands of {x.dtype} and {w.dtype}, where it computes float32 (model.dtype float32)"
     return None
 
 

@@ -52,7 +52,8 @@ PEAK_FLOPS: list[tuple[str, dict[str, float]]] = [
 def xla_flops(compiled: Any) -> Optional[float]:
     """FLOPs of one call of a compiled function by XLA's cost analysis, or None if unavailable.
 
-    ``compiled`` is a ``jax.stages.Compiled``; its ``cost_analysis()`` is a dict
+    ``compiled`` is a ``jax.stages.Compiled``; its ``cost_analysis()`` is a dict (custom calls, such as
+    jaxtrain's fused CPU kernels, count nothing)
     in jax >= 0.4.30 and a one-element list of dicts before.
     """
     try:

@@ -136,6 +136,7 @@ def test_the_library_is_built_once_and_named_by_what_it_was_built_from(tmp_path,
     first = cpu_fused._build(["c++"])
     stamp = first.stat().st_mtime_ns
     assert cpu_fused._build(["c++"]) == first and first.stat().st_mtime_ns == stamp  # cached
+    assert cpu_fused._library(["c++", "-O0"]) != first  # flags given in $CXX
     for i, source in enumerate(cpu_fused.SOURCES):  # each source, and the header they share
         changed = tmp_path / source.name
         changed.write_text(source.read_text() + "\n// another revision\n")

@@ -42,12 +42,14 @@ def operands(m, k, n, seed=0):
     (300, 20, 33),    # the weight gradient x^T dy sums 300 tokens as two halves
     (37, 19, 65),     # nothing a multiple of a tile; 65 columns: a panel of one column
     (5, 1, 1),
+    (0, 128, 64),     # no token rows: dw is zeros
+    (5, 0, 7),        # nothing to contract: y and dw are zeros
 ])
 def test_values_and_gradients_match_float64(m, k, n):
     assert cpu_fused.problem() is None
     x, w, dy = operands(m, k, n)
     out, vjp = jax.vjp(jax.jit(cpu_matmul.matmul), x, w)
-    dx, dw = vjp(dy)
+    dx, dw = jax.jit(vjp)(dy)
     x64, w64, dy64 = (a.astype(np.float64) for a in (x, w, dy))
     for name, got, want, depth in (("y", out, x64 @ w64, k), ("dx", dx, dy64 @ w64.T, n), ("dw", dw, x64.T @ dy64, m)):
         # float32 sums of `depth` products of unit normals: errors grow about as sqrt(depth)
@@ -101,11 +103,12 @@ def test_auto_picks_the_kernel_on_one_cpu_device_for_float32_and_says_why_not_el
             assert layers.matmul_choice("cpu_fused", *big) == "cpu_fused"
         with on_mesh(2):
             assert layers.matmul_choice("auto", x, w) == "xla"
-    assert "model.matmul=auto -> cpu_fused (backend cpu, one device, float32)" in caplog.text
-    assert "model.matmul=auto -> xla (products of 256 MFLOP or more, where XLA's dots are as fast)" in caplog.text
-    assert ("model.matmul=auto -> xla (dtypes bfloat16 and bfloat16 (it computes float32; model.dtype=float32))"
-            in caplog.text)
-    assert "model.matmul=auto -> xla (runs on one device, here 2)" in caplog.text
+    assert "model.matmul=auto -> cpu_fused (backend cpu, one device, float32, products under 256 MFLOP)" in caplog.text
+    assert ("model.matmul=auto -> xla (cpu_fused: a [2048, 512] x [512, 128] product: 256 MFLOP or more, where XLA's "
+            "dots are as fast)") in caplog.text
+    assert ("model.matmul=auto -> xla (cpu_fused: operands of bfloat16 and bfloat16, where it computes float32 "
+            "(model.dtype float32))") in caplog.text
+    assert "model.matmul=auto -> xla (cpu_fused: runs on one device, here 2)" in caplog.text
 
 
 def test_an_explicit_choice_that_cannot_run_is_a_named_error():
@@ -116,7 +119,7 @@ def test_an_explicit_choice_that_cannot_run_is_a_named_error():
     with pytest.raises(ConfigError) as e:
         layers.matmul_choice("mkl", x, w)
     assert str(e.value) == "model.matmul: unknown implementation 'mkl' (known: auto, xla, cpu_fused)"
-    with pytest.raises(ValueError, match=r"model.matmul=cpu_fused: dtypes bfloat16 and float32"):
+    with pytest.raises(ValueError, match=r"model.matmul=cpu_fused: operands of bfloat16 and float32, where"):
         cpu_matmul.matmul(x.astype(jnp.bfloat16), w)
 
 
@@ -152,7 +155,8 @@ def test_the_model_gives_xlas_values_and_save_matmuls_keeps_the_kernels_outputs(
             return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]), tokens[:, 1:, None], -1))
         with on_one_device():
             compiled = jax.jit(jax.value_and_grad(loss)).lower(params).compile()
-        return compiled(params), compiled.as_text().count(f'custom_call_target="{cpu_fused.MATMUL}"')
+        text = compiled.as_text()
+        return compiled(params), text.count(f'custom_call_target="{cpu_fused.MATMUL}"')
 
     (want, want_grads), xla_calls = loss_and_grads("xla")
     (got, got_grads), calls = loss_and_grads("cpu_fused")

@@ -39,13 +39,33 @@ def _call(a: jax.Array, b: jax.Array, transpose_a: bool, transpose_b: bool) -> j
                             vmap_method="sequential")(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
 
 
-@jax.custom_vjp
-def _matmul(x, w):
+@jax.custom_batching.custom_vmap
+def _product(x, w):
     return _call(x, w, False, False)
 
 
+@_product.def_vmap
+def _product_vmap(axis_size, in_batched, x, w):
+    """Batched x times a shared w (the grouped evaluation's vmap) as one call over all the rows: the
+    same bits as one call per member (a row's result does not depend on the other rows); a batched w,
+    one call per member."""
+    x_batched, w_batched = in_batched
+    if w_batched:
+        x = x if x_batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+        return jax.lax.map(lambda xw: _product(*xw), (x, w)), True
+    if not x_batched:
+        return _product(x, w), False
+    out = _product(x.reshape(-1, x.shape[-1]), w)
+    return out.reshape(axis_size, -1, out.shape[-1]), True
+
+
+@jax.custom_vjp
+def _matmul(x, w):
+    return _product(x, w)
+
+
 def _matmul_fwd(x, w):
-    return _call(x, w, False, False), (x, w)
+    return _product(x, w), (x, w)
 
 
 def _matmul_bwd(res, dy):

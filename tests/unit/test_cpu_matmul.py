@@ -63,8 +63,11 @@ def test_a_row_is_the_same_bit_for_bit_alone_or_among_others_and_under_vmap():
     whole = np.asarray(f(x, w))
     for rows in (slice(5, 6), slice(0, 7), slice(380, 390), slice(767, 768)):
         np.testing.assert_array_equal(np.asarray(f(x[rows], w)), whole[rows])
-    stacked = np.asarray(jax.jit(jax.vmap(cpu_matmul.matmul))(np.stack([x[:64], x[64:128]]), np.stack([w, w])))
-    np.testing.assert_array_equal(stacked, whole[:128].reshape(2, 64, 344))
+    members = np.stack([x[:64], x[64:128]])
+    shared = np.asarray(jax.jit(jax.vmap(cpu_matmul.matmul, (0, None)))(members, w))  # one call over both
+    each = np.asarray(jax.jit(jax.vmap(cpu_matmul.matmul))(members, np.stack([w, w])))  # one call a member
+    np.testing.assert_array_equal(shared, whole[:128].reshape(2, 64, 344))
+    np.testing.assert_array_equal(each, whole[:128].reshape(2, 64, 344))
 
 
 def test_results_do_not_depend_on_the_number_of_cores():

@@ -86,22 +86,31 @@ constexpr int64_t kRows = 8;  // rows of C a micro-kernel step keeps in register
 // Columns [j0, j0 + W) of rows [i0, i0 + kRows) of C = A B over k in [lo, hi): kRows x W
 // accumulators (W = 16 or 32 floats: one or two AVX-512 registers a row) stay in registers.
 // A's element (i, k) is at a[i * ars + k * acs], so A may be a transposed view.
+typedef float V16 __attribute__((vector_size(64)));
+typedef float V16u __attribute__((vector_size(64), aligned(4)));
+
 template <int64_t W>
 inline void Block(int64_t i0, int64_t j0, int64_t lo, int64_t hi, const float* a, int64_t ars, int64_t acs,
                   const float* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
-  float acc[kRows][W];
+  // Explicit 16-float vectors, each A element broadcast from memory: left to itself GCC loaded a
+  // transposed A's 8 contiguous elements as one vector and permuted them into broadcasts.
+  constexpr int64_t NV = W / 16;
+  V16 acc[kRows][NV];
   for (int64_t r = 0; r < kRows; ++r)
-    for (int64_t j = 0; j < W; ++j) acc[r][j] = accumulate ? c[(i0 + r) * ldc + j0 + j] : 0.0f;
+    for (int64_t v = 0; v < NV; ++v)
+      acc[r][v] = accumulate ? *reinterpret_cast<const V16u*>(c + (i0 + r) * ldc + j0 + 16 * v) : V16{};
   for (int64_t k = lo; k < hi; ++k) {
     const float* bk = b + k * ldb + j0;
+    V16 bv[NV];
+    for (int64_t v = 0; v < NV; ++v) bv[v] = *reinterpret_cast<const V16u*>(bk + 16 * v);
     const float* ak = a + i0 * ars + k * acs;
     for (int64_t r = 0; r < kRows; ++r) {
       const float ar = ak[r * ars];
-      for (int64_t j = 0; j < W; ++j) acc[r][j] += ar * bk[j];
+      for (int64_t v = 0; v < NV; ++v) acc[r][v] += ar * bv[v];
     }
   }
   for (int64_t r = 0; r < kRows; ++r)
-    for (int64_t j = 0; j < W; ++j) c[(i0 + r) * ldc + j0 + j] = acc[r][j];
+    for (int64_t v = 0; v < NV; ++v) *reinterpret_cast<V16u*>(c + (i0 + r) * ldc + j0 + 16 * v) = acc[r][v];
 }
 
 // C[i][j] (+)= sum_{k in range(i0)} A[i][k] B[k][j] for i < m (m % kRows == 0) and j < n (n % 16 == 0),

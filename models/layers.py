@@ -18,6 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.errors import ConfigError
 from jaxtrain.kernels import cpu_fused, cpu_matmul, target
+from jaxtrain.parallel import offload
 from jaxtrain.parallel.activations import active_sharding, devices_along
 
 log = logging.getLogger("jaxtrain")
@@ -108,6 +109,16 @@ def matmul_choice(implementation: str, x: jax.Array, w: jax.Array) -> str:
         _logged.add((choice, reason))
         log.info("model.matmul=auto -> %s (%s)", choice, reason)
     return choice
+
+
+def fused_mlp(implementation: str, x: jax.Array, w_gate: jax.Array) -> bool:
+    """Whether a SwiGLU MLP on ``x`` [*lead, embed] goes through the fused kernels
+    (:mod:`jaxtrain.kernels.cpu_mlp`): where ``model.matmul`` takes the kernel for its gate product
+    ``x @ w_gate`` (:func:`matmul_choice`, which raises as it says), and no activation is being
+    offloaded (``offload.activations`` places XLA's named values; the kernel's are its own)."""
+    if offload.offloaded_activations():
+        return False
+    return matmul_choice(implementation, x.reshape(-1, x.shape[-1]), w_gate) == "cpu_fused"
 
 
 class RMSNorm(nnx.Module):

@@ -25,14 +25,13 @@
 #endif
 
 #include <algorithm>
-#include <atomic>
 #include <bit>
 #include <cmath>
 #include <climits>
 #include <cstdint>
-#include <memory>
 #include <vector>
 
+#include "cpu_math.h"
 #include "cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -40,27 +39,11 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using jaxtrain::Exp;
+
 struct Dims {
   int64_t b, t, h, kvh, d;
 };
-
-// exp(x) for x <= 88, vectorizable (std::exp is a call per element): x = n ln2 + r with |r| <= ln2/2,
-// exp(r) by Cephes' expf polynomial (S. Moshier), 2^n put into the exponent bits. Relative error
-// ~1e-7; below -87.3 the result is flushed to 0, as exp underflows there anyway.
-inline float Exp(float x) {
-  const float clamped = std::max(x, -87.3f);
-  const float n = std::nearbyint(clamped * 1.44269504088896341f);
-  const float r = (clamped - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const float scale = std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
-  return x < -87.3f ? 0.0f : p * scale;
-}
 
 // Max and sum of x[0..n), n % 16 == 0, in 16 lanes (a float reduction in one chain does not vectorize).
 inline float Max16(const float* x, int64_t n) {
@@ -91,8 +74,8 @@ constexpr int64_t kRows = 8;  // rows of C a micro-kernel step keeps in register
 // Columns [j0, j0 + W) of rows [i0, i0 + kRows) of C = A B over k in [lo, hi): kRows x W
 // accumulators (W = 16 or 32 floats: one or two AVX-512 registers a row) stay in registers.
 // A's element (i, k) is at a[i * ars + k * acs], so A may be a transposed view.
-typedef float V16 __attribute__((vector_size(64)));
-typedef float V16u __attribute__((vector_size(64), aligned(4)));
+using jaxtrain::V16;
+using jaxtrain::V16u;
 
 template <int64_t W>
 inline void Block(int64_t i0, int64_t j0, int64_t lo, int64_t hi, const float* a, int64_t ars, int64_t acs,

@@ -40,11 +40,13 @@ import numpy as np
 
 log = logging.getLogger("jaxtrain")
 
-SOURCES = (Path(__file__).with_name("cpu_attention.cc"), Path(__file__).with_name("cpu_matmul.cc"))
-HEADERS = (Path(__file__).with_name("cpu_parallel.h"),)
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_attention.cc", "cpu_matmul.cc", "cpu_mlp.cc"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_parallel.h", "cpu_gemm.h", "cpu_math.h"))
 FORWARD, BACKWARD = "jaxtrain_cpu_attention_fwd", "jaxtrain_cpu_attention_bwd"
 MATMUL = "jaxtrain_cpu_matmul"
-TARGETS = (FORWARD, BACKWARD, MATMUL)
+SWIGLU_FORWARD, SWIGLU_BACKWARD = "jaxtrain_cpu_swiglu_fwd", "jaxtrain_cpu_swiglu_bwd"  # cpu_mlp.cc
+MATMUL_PAIR = "jaxtrain_cpu_matmul_pair"
+TARGETS = (FORWARD, BACKWARD, MATMUL, SWIGLU_FORWARD, SWIGLU_BACKWARD, MATMUL_PAIR)
 MAX_LENGTH = 1024  # two [length, length] float32 tiles per thread: 8 MiB at 1024
 STALE_S = 600  # a temporary library this old is a killed build's leftover (a build takes seconds)
 FLAGS = ("-std=c++20", "-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared", "-w")
@@ -172,7 +174,10 @@ def _register() -> Optional[str]:
         jax.ffi.register_ffi_target(FORWARD, jax.ffi.pycapsule(library.JaxtrainCpuAttentionForward), platform="cpu")
         jax.ffi.register_ffi_target(BACKWARD, jax.ffi.pycapsule(library.JaxtrainCpuAttentionBackward),
                                     platform="cpu")
-        jax.ffi.register_ffi_target(MATMUL, jax.ffi.pycapsule(library.JaxtrainCpuMatmul), platform="cpu")
+        for target, symbol in ((MATMUL, library.JaxtrainCpuMatmul), (SWIGLU_FORWARD, library.JaxtrainCpuSwigluForward),
+                               (SWIGLU_BACKWARD, library.JaxtrainCpuSwigluBackward),
+                               (MATMUL_PAIR, library.JaxtrainCpuMatmulPair)):
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
         _state["library"] = path.name
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as err:
         log.warning("the XLA:CPU kernels (model.attention and model.matmul cpu_fused) could not be built (%s)", err)

@@ -31,7 +31,8 @@ def shape_problem(x: jax.Array, w: jax.Array) -> Optional[str]:
     return None
 
 
-def _call(a: jax.Array, b: jax.Array, transpose_a: bool, transpose_b: bool) -> jax.Array:
+def call(a: jax.Array, b: jax.Array, transpose_a: bool, transpose_b: bool) -> jax.Array:
+    """One kernel call: ``op(a) op(b)`` with op a transpose where asked, [M, N] float32."""
     m = a.shape[1] if transpose_a else a.shape[0]
     n = b.shape[0] if transpose_b else b.shape[1]
     # sequential under vmap: each member is the 2-D product it would be alone, bit for bit
@@ -39,38 +40,46 @@ def _call(a: jax.Array, b: jax.Array, transpose_a: bool, transpose_b: bool) -> j
                             vmap_method="sequential")(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
 
 
-@jax.custom_batching.custom_vmap
-def _product(x, w):
-    return _call(x, w, False, False)
+def rows_vmap(fn):
+    """``fn(x, *weights)`` (2-D x [rows, in]; results [rows, ...], one array or a tuple) such that under
+    ``vmap`` with the weights shared (the grouped evaluation's), it is one call over all the members'
+    rows: the same bits as one call per member, as a row's result does not depend on the other rows.
+    With a batched weight, one call per member."""
+    wrapped = jax.custom_batching.custom_vmap(fn)
+
+    @wrapped.def_vmap
+    def _rule(axis_size, in_batched, x, *weights):
+        x_batched, *w_batched = in_batched
+        if any(w_batched):
+            args = [a if b else jnp.broadcast_to(a, (axis_size, *a.shape))
+                    for a, b in zip((x, *weights), in_batched)]
+            out = jax.lax.map(lambda a: wrapped(*a), tuple(args))
+            return out, jax.tree.map(lambda _: True, out)
+        if not x_batched:
+            out = wrapped(x, *weights)
+            return out, jax.tree.map(lambda _: False, out)
+        out = wrapped(x.reshape(-1, x.shape[-1]), *weights)
+        out = jax.tree.map(lambda o: o.reshape(axis_size, -1, *o.shape[1:]), out)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return wrapped
 
 
-@_product.def_vmap
-def _product_vmap(axis_size, in_batched, x, w):
-    """Batched x times a shared w (the grouped evaluation's vmap) as one call over all the rows: the
-    same bits as one call per member (a row's result does not depend on the other rows); a batched w,
-    one call per member."""
-    x_batched, w_batched = in_batched
-    if w_batched:
-        x = x if x_batched else jnp.broadcast_to(x, (axis_size, *x.shape))
-        return jax.lax.map(lambda xw: _product(*xw), (x, w)), True
-    if not x_batched:
-        return _product(x, w), False
-    out = _product(x.reshape(-1, x.shape[-1]), w)
-    return out.reshape(axis_size, -1, out.shape[-1]), True
+product = rows_vmap(lambda x, w: call(x, w, False, False))  # x @ w, without a gradient rule
 
 
 @jax.custom_vjp
 def _matmul(x, w):
-    return _product(x, w)
+    return product(x, w)
 
 
 def _matmul_fwd(x, w):
-    return _product(x, w), (x, w)
+    return product(x, w), (x, w)
 
 
 def _matmul_bwd(res, dy):
     x, w = res
-    return _call(dy, w, False, True), _call(x, dy, True, False)  # dx = dy w^T, dw = x^T dy
+    return call(dy, w, False, True), call(x, dy, True, False)  # dx = dy w^T, dw = x^T dy
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)

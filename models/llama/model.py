@@ -33,9 +33,10 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxtrain.kernels import cpu_mlp
 from jaxtrain.models.attention import attention
 from jaxtrain.models.decoder import Decoder
-from jaxtrain.models.layers import RMSNorm, param, project
+from jaxtrain.models.layers import MATMUL_NAME, RMSNorm, fused_mlp, param, project
 from jaxtrain.models.llama.config import LlamaConfig, RopeScaling
 from jaxtrain.parallel.activations import constrain
 
@@ -137,9 +138,13 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt, mm = self.dtype, self.matmul
-        gate = jax.nn.silu(project(x, self.w_gate[...].astype(dt), implementation=mm))
-        hidden = constrain(gate * project(x, self.w_up[...].astype(dt), implementation=mm), "batch", "length", "mlp")
-        return project(checkpoint_name(hidden, "mlp_hidden"), self.w_down[...].astype(dt), implementation=mm)
+        w_gate, w_up, w_down = (w[...].astype(dt) for w in (self.w_gate, self.w_up, self.w_down))
+        if fused_mlp(mm, x, w_gate):  # the kernels with the SwiGLU folded in (jaxtrain/kernels/cpu_mlp.py)
+            out = cpu_mlp.mlp(x.reshape(-1, x.shape[-1]), w_gate, w_up, w_down, (MATMUL_NAME, "mlp_hidden"))
+            return out.reshape(x.shape)
+        gate = jax.nn.silu(project(x, w_gate, implementation=mm))
+        hidden = constrain(gate * project(x, w_up, implementation=mm), "batch", "length", "mlp")
+        return project(checkpoint_name(hidden, "mlp_hidden"), w_down, implementation=mm)
 
 
 class Block(nnx.Module):

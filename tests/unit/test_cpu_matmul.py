@@ -141,6 +141,9 @@ def test_an_explicit_choice_the_config_cannot_give_is_named_before_anything_is_b
     assert str(e.value) == message
 
 
+MODEL_TARGETS = (cpu_fused.MATMUL, cpu_fused.SWIGLU_FORWARD, cpu_fused.SWIGLU_BACKWARD, cpu_fused.MATMUL_PAIR)
+
+
 def test_the_model_gives_xlas_values_and_save_matmuls_keeps_the_kernels_outputs():
     from flax import nnx
 
@@ -159,15 +162,20 @@ def test_the_model_gives_xlas_values_and_save_matmuls_keeps_the_kernels_outputs(
         with on_one_device():
             compiled = jax.jit(jax.value_and_grad(loss)).lower(params).compile()
         text = compiled.as_text()
-        return compiled(params), text.count(f'custom_call_target="{cpu_fused.MATMUL}"')
+        return compiled(params), {t: text.count(f'custom_call_target="{t}"') for t in MODEL_TARGETS}
 
     (want, want_grads), xla_calls = loss_and_grads("xla")
     (got, got_grads), calls = loss_and_grads("cpu_fused")
-    assert xla_calls == 0 and calls == 3 * (2 * 7 + 1)  # every projection and the head: forward, dx, dw
+    assert set(xla_calls.values()) == {0}
+    # per layer: q, k, v, o forward, dx and dw, w_down forward and the MLP's three weight gradients;
+    # the head's three; then the SwiGLU's forward, backward and dx, one each per layer
+    assert calls == {cpu_fused.MATMUL: 2 * (3 * 4 + 4) + 3, cpu_fused.SWIGLU_FORWARD: 2, cpu_fused.SWIGLU_BACKWARD: 2,
+                     cpu_fused.MATMUL_PAIR: 2}
     np.testing.assert_allclose(got, want, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     _, saved = loss_and_grads("cpu_fused", "save_matmuls")
     _, full = loss_and_grads("cpu_fused", "full")
-    # full recomputes 6 of each block's 7 products: the last one's output, added to the residual, is not read
-    assert saved == calls and full == calls + 2 * 6
+    assert saved == calls
+    # full recomputes each block's q, k, v, o and SwiGLU: w_down's output, added to the residual, is not read
+    assert full == {**calls, cpu_fused.MATMUL: calls[cpu_fused.MATMUL] + 2 * 4, cpu_fused.SWIGLU_FORWARD: 2 * 2}

@@ -1,0 +1,96 @@
+"""The fused SwiGLU MLP (jaxtrain/kernels/cpu_mlp.py, cpu_mlp.cc): values and gradients against float64,
+rows that do not depend on the other rows (alone, among others, under vmap), the sigmoid at extreme
+inputs, the named error, and when the Llama MLP takes it. (The model's values against XLA's, and the
+kernels' call counts under each remat policy: test_cpu_matmul.py.)"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_cpu_matmul import on_one_device
+
+from jaxtrain.kernels import cpu_fused, cpu_mlp
+from jaxtrain.models import layers
+from jaxtrain.parallel import offload
+
+NAMES = ("cpu_matmul", "mlp_hidden")
+
+
+def operands(m, d, f, seed=0, scale=1.0):
+    rng = np.random.default_rng(seed)
+    return tuple((scale * rng.standard_normal(s)).astype(np.float32) for s in ((m, d), (d, f), (d, f), (f, d), (m, d)))
+
+
+def reference(x, wg, wu, wd, dout):
+    """Output and the gradients of <out, dout> in float64 numpy: the SwiGLU written out by hand."""
+    g, u = x @ wg, x @ wu
+    s = 1.0 / (1.0 + np.exp(-g))
+    h = g * s * u
+    dh = dout @ wd.T
+    dg, du = dh * u * s * (1 + g * (1 - s)), dh * g * s
+    return h @ wd, (dg @ wg.T + du @ wu.T, x.T @ dg, x.T @ du, h.T @ dout)
+
+
+@pytest.mark.parametrize("m,d,f", [
+    (768, 128, 344),  # the shakespeare recipe's MLP: a last panel of 24 columns (a vector and a tail of 8)
+    (37, 19, 65),     # nothing a multiple of a tile or a vector; a panel of one column
+    (300, 20, 33),    # the weight gradients sum 300 tokens as two halves
+    (5, 3, 1),
+    (0, 16, 32),      # no token rows: the weight gradients are zeros
+    (6, 0, 5),        # no embedding: every product is zeros
+])
+def test_values_and_gradients_match_float64(m, d, f):
+    assert cpu_fused.problem() is None
+    x, wg, wu, wd, dout = operands(m, d, f, scale=0.5)
+    out, vjp = jax.vjp(jax.jit(lambda *a: cpu_mlp.mlp(*a, NAMES)), x, wg, wu, wd)
+    grads = jax.jit(vjp)(dout)
+    want, want_grads = reference(*(a.astype(np.float64) for a in (x, wg, wu, wd, dout)))
+    for name, got, ref in zip(("out", "dx", "dw_gate", "dw_up", "dw_down"), (out, *grads), (want, *want_grads)):
+        scale = max(1.0, float(np.abs(ref).max(initial=0.0)))
+        np.testing.assert_allclose(np.asarray(got), ref, rtol=0, atol=3e-6 * scale, err_msg=name)
+
+
+def test_extreme_gates_saturate_without_nans():
+    # sigmoid(-200) underflows and exp(200) overflows: the kernel caps exp's argument
+    x, wg, wu, wd, dout = operands(8, 4, 48)
+    x = np.full_like(x, 1.0)
+    wg[:, :16], wg[:, 16:32], wg[:, 32:] = 50.0, -50.0, 0.0
+    out, vjp = jax.vjp(lambda *a: cpu_mlp.mlp(*a, NAMES), x, wg, wu, wd)
+    grads = vjp(dout)
+    want, want_grads = reference(*(a.astype(np.float64) for a in (x, wg, wu, wd, dout)))
+    for got, ref in zip((out, *grads), (want, *want_grads)):
+        assert np.isfinite(np.asarray(got)).all()
+        np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-3)
+
+
+def test_a_row_is_the_same_bit_for_bit_alone_or_among_others_and_under_vmap():
+    x, wg, wu, wd, _ = operands(768, 128, 344)
+    f = jax.jit(lambda x, wg, wu, wd: cpu_mlp.mlp(x, wg, wu, wd, NAMES))
+    whole = np.asarray(f(x, wg, wu, wd))
+    for rows in (slice(5, 6), slice(0, 7), slice(380, 390), slice(767, 768)):
+        np.testing.assert_array_equal(np.asarray(f(x[rows], wg, wu, wd)), whole[rows])
+    members = np.stack([x[:64], x[64:128]])
+    shared = np.asarray(jax.jit(jax.vmap(f, (0, None, None, None)))(members, wg, wu, wd))  # one call over both
+    each = np.asarray(jax.jit(jax.vmap(f, (0, 0, None, None)))(members, np.stack([wg, wg]), wu, wd))
+    np.testing.assert_array_equal(shared, whole[:128].reshape(2, 64, 128))
+    np.testing.assert_array_equal(each, whole[:128].reshape(2, 64, 128))
+
+
+def test_operands_it_does_not_take_are_a_named_error():
+    x, wg, wu, wd, _ = operands(4, 8, 16)
+    with pytest.raises(ValueError) as err:
+        cpu_mlp.mlp(x, wg, wu, wd.T, NAMES)
+    assert str(err.value) == ("model.matmul=cpu_fused: the SwiGLU MLP takes 2-D float32 x [tokens, embed], w_gate "
+                              "and w_up [embed, mlp], w_down [mlp, embed]; got x float32[4, 8], w_gate float32[8, 16], "
+                              "w_up float32[8, 16], w_down float32[8, 16]")
+    with pytest.raises(ValueError, match=r"x bfloat16\[4, 8\]"):
+        cpu_mlp.mlp(jnp.asarray(x, jnp.bfloat16), wg, wu, wd, NAMES)
+
+
+def test_the_llama_mlp_takes_it_where_the_projections_do_and_no_activation_is_offloaded():
+    x, wg, *_ = (jnp.asarray(a) for a in operands(2 * 64, 128, 344))
+    x = x.reshape(2, 64, 128)
+    with on_one_device():
+        assert layers.fused_mlp("cpu_fused", x, wg) and layers.fused_mlp("auto", x, wg)
+        assert not layers.fused_mlp("xla", x, wg)
+        with offload.active(offload.Plan(activations=("mlp_hidden",))):
+            assert not layers.fused_mlp("cpu_fused", x, wg)  # XLA's SwiGLU, so that mlp_hidden is its value

@@ -4,6 +4,7 @@ gradients against the jnp reference, results that do not depend on the rest of t
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -225,3 +226,18 @@ def test_a_stale_temporary_from_a_killed_build_is_removed_and_a_fresh_one_kept(t
     os.utime(stale, (old, old))
     cpu_fused._build(["c++"])
     assert not stale.exists() and fresh.exists()  # another process's build may be writing it
+
+
+def test_an_installed_package_carries_every_kernel_source_and_header():
+    """pyproject's package data for jaxtrain.kernels covers each file the build compiles or includes (a
+    wheel without cpu_parallel.h could not build the kernels)."""
+    import fnmatch
+    import tomllib
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    globs = pyproject["tool"]["setuptools"]["package-data"]["jaxtrain.kernels"]
+    missing = [p.name for p in (*cpu_fused.SOURCES, *cpu_fused.HEADERS)
+               if not any(fnmatch.fnmatch(p.name, g) for g in globs)]
+    assert missing == []
+    included = {name for path in cpu_fused.SOURCES + cpu_fused.HEADERS
+                for name in re.findall(r'#include "([^"/]+)"', path.read_text())}
+    assert included <= {p.name for p in cpu_fused.HEADERS}  # every local header is in the build's digest

@@ -17,7 +17,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.errors import ConfigError
-from jaxtrain.kernels import cpu_fused, cpu_matmul, target
+from jaxtrain.kernels import cpu_fused, cpu_matmul, cpu_norm, target
 from jaxtrain.parallel import offload
 from jaxtrain.parallel.activations import active_sharding, devices_along
 
@@ -73,6 +73,10 @@ def fused_matmul_problem(x: jax.Array, w: jax.Array) -> Optional[str]:
     """Why the fused XLA:CPU matmul (:mod:`jaxtrain.kernels.cpu_matmul`) cannot take ``x @ w`` here, or
     None: another backend, more than one device (the trainer's mesh while it traces, else every device
     JAX has: a custom call is opaque to XLA's partitioner), its operands, or a kernel that did not build."""
+    return _placement_problem() or cpu_matmul.shape_problem(x, w) or cpu_fused.problem()
+
+
+def _placement_problem() -> Optional[str]:
     backend = target.backend()
     if backend != "cpu":
         return f"an XLA:CPU kernel; the backend is '{backend}'"
@@ -80,7 +84,7 @@ def fused_matmul_problem(x: jax.Array, w: jax.Array) -> Optional[str]:
     devices = active[1].size if active is not None else jax.device_count()
     if devices > 1:
         return f"runs on one device, here {devices}"
-    return cpu_matmul.shape_problem(x, w) or cpu_fused.problem()
+    return None
 
 
 def matmul_choice(implementation: str, x: jax.Array, w: jax.Array) -> str:
@@ -121,17 +125,30 @@ def fused_mlp(implementation: str, x: jax.Array, w_gate: jax.Array) -> bool:
     return matmul_choice(implementation, x.reshape(-1, x.shape[-1]), w_gate) == "cpu_fused"
 
 
+def fused_norm(implementation: str, x: jax.Array) -> bool:
+    """Whether an RMSNorm of ``x`` [..., embed] goes through the XLA:CPU kernel
+    (:mod:`jaxtrain.kernels.cpu_norm`): with ``model.matmul`` ``cpu_fused`` or ``auto``, for float32 x
+    on a CPU backend and one device, where the kernels built (else XLA's, silently: the projections'
+    :func:`matmul_choice` says why)."""
+    return (implementation in ("auto", "cpu_fused") and x.dtype == jnp.float32 and x.ndim >= 1
+            and _placement_problem() is None and cpu_fused.problem() is None)
+
+
 class RMSNorm(nnx.Module):
     """y = x / sqrt(mean(x^2) + eps) * scale, computed in float32. x: [..., embed] -> same shape and dtype.
 
-    Reads ``cfg.d_model``, ``cfg.norm_eps`` and ``cfg.param_dtype``; ``scale`` [embed] starts at 1.
+    Reads ``cfg.d_model``, ``cfg.norm_eps``, ``cfg.param_dtype`` and ``cfg.matmul`` (the XLA:CPU kernel
+    where :func:`fused_norm` says so); ``scale`` [embed] starts at 1.
     """
 
     def __init__(self, cfg: Any):
-        self.eps = cfg.norm_eps
+        self.eps, self.matmul = cfg.norm_eps, cfg.matmul
         self.scale = nnx.Param(jnp.ones((cfg.d_model,), jnp.dtype(cfg.param_dtype)), axes=("embed",))
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        if fused_norm(self.matmul, x):
+            out = cpu_norm.rms_norm(x.reshape(-1, x.shape[-1]), self.scale[...].astype(jnp.float32), self.eps)
+            return out.reshape(x.shape)
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)

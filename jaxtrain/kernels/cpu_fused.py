@@ -46,9 +46,9 @@ HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_parallel.h", "c
 FORWARD, BACKWARD = "jaxtrain_cpu_attention_fwd", "jaxtrain_cpu_attention_bwd"
 MATMUL = "jaxtrain_cpu_matmul"
 SWIGLU_FORWARD, SWIGLU_BACKWARD = "jaxtrain_cpu_swiglu_fwd", "jaxtrain_cpu_swiglu_bwd"  # cpu_mlp.cc
-MATMUL_PAIR = "jaxtrain_cpu_matmul_pair"
+MATMUL_SUM = "jaxtrain_cpu_matmul_sum"  # cpu_mlp.cc
 RMSNORM_FORWARD, RMSNORM_BACKWARD = "jaxtrain_cpu_rms_norm_fwd", "jaxtrain_cpu_rms_norm_bwd"  # cpu_norm.cc
-TARGETS = (FORWARD, BACKWARD, MATMUL, SWIGLU_FORWARD, SWIGLU_BACKWARD, MATMUL_PAIR, RMSNORM_FORWARD, RMSNORM_BACKWARD)
+TARGETS = (FORWARD, BACKWARD, MATMUL, SWIGLU_FORWARD, SWIGLU_BACKWARD, MATMUL_SUM, RMSNORM_FORWARD, RMSNORM_BACKWARD)
 MAX_LENGTH = 1024  # two [length, length] float32 tiles per thread: 8 MiB at 1024
 STALE_S = 600  # a temporary library this old is a killed build's leftover (a build takes seconds)
 FLAGS = ("-std=c++20", "-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared", "-w")
@@ -178,7 +178,7 @@ def _register() -> Optional[str]:
                                     platform="cpu")
         for target, symbol in ((MATMUL, library.JaxtrainCpuMatmul), (SWIGLU_FORWARD, library.JaxtrainCpuSwigluForward),
                                (SWIGLU_BACKWARD, library.JaxtrainCpuSwigluBackward),
-                               (MATMUL_PAIR, library.JaxtrainCpuMatmulPair),
+                               (MATMUL_SUM, library.JaxtrainCpuMatmulSum),
                                (RMSNORM_FORWARD, library.JaxtrainCpuRmsNormForward),
                                (RMSNORM_BACKWARD, library.JaxtrainCpuRmsNormBackward)):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")

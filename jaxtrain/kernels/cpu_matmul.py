@@ -68,6 +68,46 @@ def rows_vmap(fn):
 product = rows_vmap(lambda x, w: call(x, w, False, False))  # x @ w, without a gradient rule
 
 
+def call_sum(pairs) -> jax.Array:
+    """One kernel call (``cpu_mlp.cc``'s MatmulSum): ``sum_i a_i b_i^T`` over pairs (a_i [M, K_i],
+    b_i [N, K_i]), [M, N] float32; each product summed over its K as one call of it would, then added in
+    order."""
+    m, n = pairs[0][0].shape[0], pairs[0][1].shape[0]
+    return jax.ffi.ffi_call(cpu_fused.MATMUL_SUM, jax.ShapeDtypeStruct((m, n), jnp.float32))(
+        *(a for pair in pairs for a in pair))
+
+
+@jax.custom_vjp
+def _shared(x, ws):
+    return tuple(product(x, w) for w in ws)
+
+
+def _shared_fwd(x, ws):
+    return _shared(x, ws), (x, ws)
+
+
+def _shared_bwd(res, dys):
+    x, ws = res
+    return call_sum(tuple(zip(dys, ws))), tuple(call(x, dy, True, False) for dy in dys)
+
+
+_shared.defvjp(_shared_fwd, _shared_bwd)
+
+
+def matmuls(x: jax.Array, ws: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    """``x @ w`` for each w (q, k and v from one input), with one kernel call for the input's gradient
+    ``sum_i dy_i w_i^T`` where each product alone would add its own (XLA adds them in passes of their own).
+
+    Args:
+      x: [tokens, in] float32; ws: [in, out_i] float32 each.
+    Returns: [tokens, out_i] float32 each, the bits :func:`matmul` gives.
+    Raises: as :func:`matmul`.
+    """
+    for w in ws:
+        _check(x, w)
+    return _shared(x, tuple(ws))
+
+
 @jax.custom_vjp
 def _matmul(x, w):
     return product(x, w)
@@ -96,6 +136,11 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
       RuntimeError: the kernel is not available (:func:`jaxtrain.kernels.cpu_fused.problem` says why).
       ValueError: operands the kernel does not take (:func:`shape_problem`).
     """
+    _check(x, w)
+    return _matmul(x, w)
+
+
+def _check(x: jax.Array, w: jax.Array) -> None:
     why = cpu_fused.problem()
     if why:
         raise RuntimeError(f"model.matmul=cpu_fused: {why}")
@@ -104,4 +149,3 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
         raise ValueError(f"model.matmul=cpu_fused: {why}")
     if x.shape[1] != w.shape[0]:
         raise ValueError(f"model.matmul=cpu_fused: x {x.shape} and w {w.shape} do not contract")
-    return _matmul(x, w)

@@ -11,7 +11,7 @@
 // the task's tile right after its product, from the thread's own cache:
 //  - SwigluForward (x, Wg, Wu) -> (h, g, u): the gate and up tiles, then h on them;
 //  - SwigluBackward (dout, Wd, g, u) -> (dg, du): the dh tile, then dg and du on it;
-//  - MatmulPair (a1, b1, a2, b2) -> a1 b1^T + a2 b2^T: dx as one sum (b's given as [N, K], Wg and Wu).
+//  - MatmulSum (a1, b1, a2, b2, ...) -> a1 b1^T + a2 b2^T + ...: dx as one sum (b's given as [N, K]: Wg, Wu).
 // (out = h Wd and the weight gradients x^T dg, x^T du, h^T dout are cpu_matmul.cc's.)
 //
 // Layouts (row-major, float32): x, dout, dx [M, D]; Wg, Wu [D, F]; Wd [F, D]; h, g, u, dg, du [M, F].
@@ -19,6 +19,7 @@
 // the other rows or the thread count. Built and loaded by jaxtrain/kernels/cpu_fused.py.
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "cpu_gemm.h"
 #include "cpu_math.h"
@@ -134,18 +135,24 @@ ffi::Error SwigluBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> dout, ffi:
   return ffi::Error::Success();
 }
 
-ffi::Error MatmulPair(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a1, ffi::Buffer<ffi::F32> b1,
-                      ffi::Buffer<ffi::F32> a2, ffi::Buffer<ffi::F32> b2, ffi::ResultBuffer<ffi::F32> c) {
-  if (a1.dimensions().size() != 2 || a2.dimensions().size() != 2 || b1.dimensions().size() != 2)
-    return ffi::Error::InvalidArgument("a1, a2, b1: 2-D");
-  const int64_t m = a1.dimensions()[0], k1 = a1.dimensions()[1], k2 = a2.dimensions()[1], n = b1.dimensions()[0];
-  if (!Is2D(a2, m, k2) || !Is2D(b1, n, k1) || !Is2D(b2, n, k2) || !Is2D(c, m, n))
-    return ffi::Error::InvalidArgument("shapes: a1 [M, K1], b1 [N, K1], a2 [M, K2], b2 [N, K2], c [M, N]");
-  const Gemm first{m, n, k1, a1.typed_data(), k1, 1, b1.typed_data(), 1, k1, c->typed_data()};
-  const Gemm second{m, n, k2, a2.typed_data(), k2, 1, b2.typed_data(), 1, k2, c->typed_data()};
+// c = sum_i a_i b_i^T over the pairs (a_i [M, K_i], b_i [N, K_i]) given in order: a projection's input
+// gradient where its input fed several products (dg Wg^T + du Wu^T; dq Wq^T + dk Wk^T + dv Wv^T).
+ffi::Error MatmulSum(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::ResultBuffer<ffi::F32> c) {
+  auto cd = c->dimensions();
+  if (cd.size() != 2 || args.size() == 0 || args.size() % 2) return ffi::Error::InvalidArgument("pairs of a, b; c 2-D");
+  const int64_t m = cd[0], n = cd[1];
+  std::vector<Gemm> products;
+  for (size_t i = 0; i < args.size(); i += 2) {
+    auto a = args.get<ffi::Buffer<ffi::F32>>(i);
+    auto b = args.get<ffi::Buffer<ffi::F32>>(i + 1);
+    if (!a.has_value() || !b.has_value()) return ffi::Error::InvalidArgument("a and b must be float32");
+    const int64_t k = a->dimensions().size() == 2 ? a->dimensions()[1] : -1;
+    if (!Is2D(*a, m, k) || !Is2D(*b, n, k))
+      return ffi::Error::InvalidArgument("shapes: each a_i [M, K_i], b_i [N, K_i], c [M, N]");
+    products.push_back(Gemm{m, n, k, a->typed_data(), k, 1, b->typed_data(), 1, k, c->typed_data()});
+  }
   Tiles(pool, m, n, [&](int64_t i0, int64_t i1, int64_t j0, int64_t width) {
-    Product(first, i0, i1, j0, width, false);
-    Product(second, i0, i1, j0, width, true);
+    for (size_t p = 0; p < products.size(); ++p) Product(products[p], i0, i1, j0, width, p > 0);
   });
   return ffi::Error::Success();
 }
@@ -172,11 +179,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtrainCpuSwigluBackward, SwigluBackward,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtrainCpuMatmulPair, MatmulPair,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtrainCpuMatmulSum, MatmulSum,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().RemainingArgs().Ret<ffi::Buffer<ffi::F32>>());

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.kernels import cpu_fused
-from jaxtrain.kernels.cpu_matmul import call, product, rows_vmap
+from jaxtrain.kernels.cpu_matmul import call, call_sum, product, rows_vmap
 
 
 def _swiglu_call(x, w_gate, w_up):
@@ -53,7 +53,7 @@ def _mlp_bwd(names, res, dout):
     x, w_gate, w_up, w_down, h, g, u = res
     hidden = jax.ShapeDtypeStruct(g.shape, jnp.float32)
     dg, du = jax.ffi.ffi_call(cpu_fused.SWIGLU_BACKWARD, (hidden, hidden))(dout, w_down, g, u)
-    dx = jax.ffi.ffi_call(cpu_fused.MATMUL_PAIR, jax.ShapeDtypeStruct(x.shape, jnp.float32))(dg, w_gate, du, w_up)
+    dx = call_sum(((dg, w_gate), (du, w_up)))
     return dx, call(x, dg, True, False), call(x, du, True, False), call(h, dout, True, False)
 
 

@@ -36,7 +36,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtrain.kernels import cpu_mlp
 from jaxtrain.models.attention import attention
 from jaxtrain.models.decoder import Decoder
-from jaxtrain.models.layers import MATMUL_NAME, RMSNorm, fused_mlp, param, project
+from jaxtrain.models.layers import MATMUL_NAME, RMSNorm, fused_mlp, param, project, projections
 from jaxtrain.models.llama.config import LlamaConfig, RopeScaling
 from jaxtrain.parallel.activations import constrain
 
@@ -110,9 +110,8 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array, positions: Optional[jax.Array],
                  segment_ids: Optional[jax.Array] = None) -> jax.Array:
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
-        q = project(x, self.wq[...].astype(dt), implementation=cfg.matmul)  # [b, t, heads, kv]
-        k = project(x, self.wk[...].astype(dt), implementation=cfg.matmul)
-        v = project(x, self.wv[...].astype(dt), implementation=cfg.matmul)
+        # [b, t, heads, kv], [b, t, kv_heads, kv] twice
+        q, k, v = projections(x, tuple(w[...].astype(dt) for w in (self.wq, self.wk, self.wv)), cfg.matmul)
         q = constrain(rotary(q, positions, cfg.rope_theta, cfg.rope_scaling), "batch", "length", "heads", "kv")
         # K/V get their own length name: sequence parallelism gathers them over the full length.
         # Ring attention keeps K/V split like the queries (it rotates them), so no gather.

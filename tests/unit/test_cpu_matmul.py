@@ -147,7 +147,7 @@ def test_an_explicit_choice_the_config_cannot_give_is_named_before_anything_is_b
     assert str(e.value) == message
 
 
-MODEL_TARGETS = (cpu_fused.MATMUL, cpu_fused.SWIGLU_FORWARD, cpu_fused.SWIGLU_BACKWARD, cpu_fused.MATMUL_PAIR,
+MODEL_TARGETS = (cpu_fused.MATMUL, cpu_fused.SWIGLU_FORWARD, cpu_fused.SWIGLU_BACKWARD, cpu_fused.MATMUL_SUM,
                  cpu_fused.RMSNORM_FORWARD, cpu_fused.RMSNORM_BACKWARD)
 
 
@@ -174,10 +174,12 @@ def test_the_model_gives_xlas_values_and_save_matmuls_keeps_the_kernels_outputs(
     (want, want_grads), xla_calls = loss_and_grads("xla")
     (got, got_grads), calls = loss_and_grads("cpu_fused")
     assert set(xla_calls.values()) == {0}
-    # per layer: q, k, v, o forward, dx and dw, w_down forward and the MLP's three weight gradients;
-    # the head's three; then the SwiGLU's forward, backward and dx, one each per layer; the five norms'
-    assert calls == {cpu_fused.MATMUL: 2 * (3 * 4 + 4) + 3, cpu_fused.SWIGLU_FORWARD: 2, cpu_fused.SWIGLU_BACKWARD: 2,
-                     cpu_fused.MATMUL_PAIR: 2, cpu_fused.RMSNORM_FORWARD: 5, cpu_fused.RMSNORM_BACKWARD: 5}
+    # per layer: q, k and v forward and dw, o forward, dx and dw, w_down forward and the MLP's three weight
+    # gradients; the head's three; per layer the SwiGLU's forward and backward, and one input gradient
+    # each for q, k and v together and for the MLP; the five norms' forward and backward
+    assert calls == {cpu_fused.MATMUL: 2 * (3 * 2 + 3 + 4) + 3, cpu_fused.SWIGLU_FORWARD: 2,
+                     cpu_fused.SWIGLU_BACKWARD: 2, cpu_fused.MATMUL_SUM: 2 + 2, cpu_fused.RMSNORM_FORWARD: 5,
+                     cpu_fused.RMSNORM_BACKWARD: 5}
     np.testing.assert_allclose(got, want, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
@@ -188,3 +190,22 @@ def test_the_model_gives_xlas_values_and_save_matmuls_keeps_the_kernels_outputs(
     assert saved == {**calls, norm: saved[norm]} and saved[norm] > calls[norm]
     # full recomputes the blocks' products and SwiGLUs too
     assert full[cpu_fused.MATMUL] > calls[cpu_fused.MATMUL] and full[cpu_fused.SWIGLU_FORWARD] == 2 * 2
+
+
+def test_products_of_one_input_give_matmuls_bits_and_one_input_gradient_call():
+    x, w, dy = operands(300, 20, 33)
+    ws = (w, w[:, :17] * 2, w[:, ::-1])
+    dys = (dy, dy[:, :17], dy * 3)
+    outs, vjp = jax.vjp(jax.jit(cpu_matmul.matmuls), x, ws)
+    for out, wi in zip(outs, ws):
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.jit(cpu_matmul.matmul)(x, wi)))
+    dx, dws = jax.jit(vjp)(dys)
+    x64, dys64 = x.astype(np.float64), [a.astype(np.float64) for a in dys]
+    want = sum(d @ wi.astype(np.float64).T for d, wi in zip(dys64, ws))
+    np.testing.assert_allclose(np.asarray(dx), want, rtol=0, atol=2e-6 * 3 * 33)
+    for got, d in zip(dws, dys64):
+        np.testing.assert_allclose(np.asarray(got), x64.T @ d, rtol=0, atol=2e-6 * 300)
+    text = jax.jit(jax.value_and_grad(lambda x, ws: sum((o * d).sum() for o, d in zip(cpu_matmul.matmuls(x, ws), dys)),
+                                      argnums=(0, 1))).lower(x, ws).compile().as_text()
+    assert text.count(f'custom_call_target="{cpu_fused.MATMUL_SUM}"') == 1
+    assert text.count(f'custom_call_target="{cpu_fused.MATMUL}"') == 3 + 3  # forward and weight gradients

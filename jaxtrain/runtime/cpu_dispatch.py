@@ -36,3 +36,11 @@ def run_inline(env: os._Environ | dict = os.environ) -> bool:
     import jax
     jax.config.update("jax_cpu_enable_async_dispatch", False)
     return True
+
+
+def inline(n_devices: int) -> bool:
+    """Whether a program over ``n_devices`` devices runs inline on the calling thread here: asynchronous
+    CPU dispatch off (:func:`run_inline`), a CPU backend, one process and one device."""
+    import jax
+    return (not jax.config.read("jax_cpu_enable_async_dispatch") and n_devices == 1 and jax.process_count() == 1
+            and jax.default_backend() == "cpu")

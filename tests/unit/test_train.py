@@ -76,13 +76,28 @@ def test_a_save_made_with_the_next_batch_fetched_resumes_at_that_batch(small_cfg
     counter.fetch()
     counter.fetch()  # a second fetch holds the same batch
     assert counter.get_state() == {"next": 1} and next(counter) == 1 and counter.get_state() == {"next": 2}
+    # the same, drawn on a thread (a run whose step runs inline on the loop's thread)
+    threaded = Lookahead(iter_with_state(), threaded=True)
+    assert next(threaded) == 0
+    threaded.fetch()
+    threaded.fetch()
+    assert threaded.get_state() == {"next": 1} and next(threaded) == 1 and threaded.get_state() == {"next": 2}
+    threaded.fetch()
+    assert next(threaded) == 2 and threaded.inner.n == 3  # nothing drawn beyond what was asked for
+    threaded.inner.fail = True
+    threaded.fetch()  # the thread's error reaches the loop when it takes the batch
+    with pytest.raises(ValueError, match="no batch 3"):
+        next(threaded)
+    threaded.close()
 
 
 class iter_with_state:
     def __init__(self):
-        self.n = 0
+        self.n, self.fail = 0, False
 
     def __next__(self):
+        if self.fail:
+            raise ValueError(f"no batch {self.n}")
         self.n += 1
         return self.n - 1
 

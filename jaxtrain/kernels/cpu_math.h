@@ -13,20 +13,27 @@ typedef float V16 __attribute__((vector_size(64)));              // 16 floats: o
 typedef float V16u __attribute__((vector_size(64), aligned(4)));  // ... loaded from any float's address
 typedef int32_t V16i __attribute__((vector_size(64)));
 
+// exp(x) for x = n ln2 + r (n an integer, |r| <= ln2/2) without its 2^n: r by a two-part ln2, exp(r) by
+// Cephes' expf polynomial (S. Moshier). T: float or V16.
+template <typename T>
+inline T ExpReduced(T x, T n) {
+  const T r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  T p = T{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  return p * r * r + r + 1.0f;
+}
+
 // exp(x) for x <= 88, vectorizable (std::exp is a call per element): x = n ln2 + r with |r| <= ln2/2,
 // exp(r) by Cephes' expf polynomial (S. Moshier), 2^n put into the exponent bits. Relative error
 // ~1e-7; below -87.3 the result is flushed to 0, as exp underflows there anyway.
 inline float Exp(float x) {
   const float clamped = std::max(x, -87.3f);
   const float n = std::nearbyint(clamped * 1.44269504088896341f);
-  const float r = (clamped - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  const float p = ExpReduced(clamped, n);
   const float scale = std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
   return x < -87.3f ? 0.0f : p * scale;
 }
@@ -40,14 +47,7 @@ inline V16 Exp(V16 x) {
   x = under ? V16{} - 87.3f : x;
   const V16 t = x * 1.44269504088896341f + kShift;
   const V16 n = t - kShift;
-  const V16 r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  V16 p = V16{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  const V16 p = ExpReduced(x, n);
   const V16 scale = __builtin_bit_cast(V16, (__builtin_bit_cast(V16i, t) - 0x4B400000 + 127) << 23);
   return under ? V16{} : p * scale;
 }

@@ -73,7 +73,7 @@ def call_sum(pairs) -> jax.Array:
     b_i [N, K_i]), [M, N] float32; each product summed over its K as one call of it would, then added in
     order."""
     m, n = pairs[0][0].shape[0], pairs[0][1].shape[0]
-    return jax.ffi.ffi_call(cpu_fused.MATMUL_SUM, jax.ShapeDtypeStruct((m, n), jnp.float32))(
+    return jax.ffi.ffi_call(cpu_fused.MATMUL_SUM, jax.ShapeDtypeStruct((m, n), jnp.float32), vmap_method="sequential")(
         *(a for pair in pairs for a in pair))
 
 

@@ -52,7 +52,8 @@ def _mlp_fwd(x, w_gate, w_up, w_down, names):
 def _mlp_bwd(names, res, dout):
     x, w_gate, w_up, w_down, h, g, u = res
     hidden = jax.ShapeDtypeStruct(g.shape, jnp.float32)
-    dg, du = jax.ffi.ffi_call(cpu_fused.SWIGLU_BACKWARD, (hidden, hidden))(dout, w_down, g, u)
+    # sequential under vmap (per-example gradients), as the matmul's calls
+    dg, du = jax.ffi.ffi_call(cpu_fused.SWIGLU_BACKWARD, (hidden, hidden), vmap_method="sequential")(dout, w_down, g, u)
     dx = call_sum(((dg, w_gate), (du, w_up)))
     return dx, call(x, dg, True, False), call(x, du, True, False), call(h, dout, True, False)
 

@@ -46,9 +46,10 @@ def _norm_fwd(x, scale, eps):
 
 def _norm_bwd(eps, res, dy):
     x, scale, r = res
+    # sequential under vmap (per-example gradients): each member the call it would be alone
     return tuple(jax.ffi.ffi_call(cpu_fused.RMSNORM_BACKWARD, (jax.ShapeDtypeStruct(x.shape, jnp.float32),
-                                                              jax.ShapeDtypeStruct(scale.shape, jnp.float32)))(
-        x, scale, r, dy))
+                                                              jax.ShapeDtypeStruct(scale.shape, jnp.float32)),
+                                  vmap_method="sequential")(x, scale, r, dy))
 
 
 _norm.defvjp(_norm_fwd, _norm_bwd)

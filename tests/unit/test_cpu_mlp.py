@@ -94,3 +94,27 @@ def test_the_llama_mlp_takes_it_where_the_projections_do_and_no_activation_is_of
         assert not layers.fused_mlp("xla", x, wg)
         with offload.active(offload.Plan(activations=("mlp_hidden",))):
             assert not layers.fused_mlp("cpu_fused", x, wg)  # XLA's SwiGLU, so that mlp_hidden is its value
+
+
+def test_per_example_gradients_under_vmap_match_xla():
+    """jax.vmap(jax.grad(...)) through the MLP's, the norm's and the q/k/v kernels (each backward call
+    sequential under vmap) gives XLA's per-example gradients."""
+    from jaxtrain.kernels import cpu_matmul, cpu_norm
+    x, wg, wu, wd, _ = operands(4 * 6, 8, 12, scale=0.5)
+    x = x.reshape(4, 6, 8)
+    scale = np.linspace(0.5, 1.5, 8).astype(np.float32)
+
+    def loss(x, wg, wu, wd, fused):
+        if fused:
+            h = cpu_norm.rms_norm(x, scale, 1e-5)
+            q, k = cpu_matmul.matmuls(h, (wg, wu))
+            return (cpu_mlp.mlp(h, wg, wu, wd, NAMES) ** 2).sum() + (q * k).sum()
+        h = x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + 1e-5) * scale
+        out = (jax.nn.silu(h @ wg) * (h @ wu)) @ wd
+        return (out ** 2).sum() + ((h @ wg) * (h @ wu)).sum()
+
+    grads = {fused: jax.jit(jax.vmap(jax.grad(lambda *a: loss(*a, fused), argnums=(0, 1, 2, 3)),
+                                     (0, None, None, None)))(x, wg, wu, wd) for fused in (True, False)}
+    for got, want in zip(grads[True], grads[False]):
+        assert got.shape == want.shape
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)

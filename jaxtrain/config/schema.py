@@ -120,6 +120,11 @@ class OptimizerConfig(Section):
     # moments, the model computing with the bf16 cast. false: pure bf16 training (updates below
     # a weight's bf16 resolution are lost; a warning is logged).
     master_weights: bool = True
+    # The step's guarded update (global norm, non-finite guard, clipping, AdamW): xla (XLA's ops),
+    # cpu_fused (one XLA:CPU kernel over every parameter, jaxtrain.kernels.cpu_adamw; torchtitan's
+    # optimizer.implementation=fused), or auto: cpu_fused on a one-device CPU run with float32 state
+    # where the kernels built, else xla
+    implementation: Literal["auto", "xla", "cpu_fused"] = "auto"
 
 
 class OffloadConfig(Section):

@@ -41,14 +41,16 @@ import numpy as np
 log = logging.getLogger("jaxtrain")
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_attention.cc", "cpu_matmul.cc", "cpu_mlp.cc",
-                                                                "cpu_norm.cc"))
+                                                                "cpu_norm.cc", "cpu_adamw.cc"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_parallel.h", "cpu_gemm.h", "cpu_math.h"))
 FORWARD, BACKWARD = "jaxtrain_cpu_attention_fwd", "jaxtrain_cpu_attention_bwd"
 MATMUL = "jaxtrain_cpu_matmul"
 SWIGLU_FORWARD, SWIGLU_BACKWARD = "jaxtrain_cpu_swiglu_fwd", "jaxtrain_cpu_swiglu_bwd"  # cpu_mlp.cc
 MATMUL_SUM = "jaxtrain_cpu_matmul_sum"  # cpu_mlp.cc
 RMSNORM_FORWARD, RMSNORM_BACKWARD = "jaxtrain_cpu_rms_norm_fwd", "jaxtrain_cpu_rms_norm_bwd"  # cpu_norm.cc
-TARGETS = (FORWARD, BACKWARD, MATMUL, SWIGLU_FORWARD, SWIGLU_BACKWARD, MATMUL_SUM, RMSNORM_FORWARD, RMSNORM_BACKWARD)
+ADAMW = "jaxtrain_cpu_adamw"  # cpu_adamw.cc
+TARGETS = (FORWARD, BACKWARD, MATMUL, SWIGLU_FORWARD, SWIGLU_BACKWARD, MATMUL_SUM, RMSNORM_FORWARD, RMSNORM_BACKWARD,
+           ADAMW)
 MAX_LENGTH = 1024  # two [length, length] float32 tiles per thread: 8 MiB at 1024
 STALE_S = 600  # a temporary library this old is a killed build's leftover (a build takes seconds)
 FLAGS = ("-std=c++20", "-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared", "-w")
@@ -180,7 +182,8 @@ def _register() -> Optional[str]:
                                (SWIGLU_BACKWARD, library.JaxtrainCpuSwigluBackward),
                                (MATMUL_SUM, library.JaxtrainCpuMatmulSum),
                                (RMSNORM_FORWARD, library.JaxtrainCpuRmsNormForward),
-                               (RMSNORM_BACKWARD, library.JaxtrainCpuRmsNormBackward)):
+                               (RMSNORM_BACKWARD, library.JaxtrainCpuRmsNormBackward),
+                               (ADAMW, library.JaxtrainCpuAdamW)):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
         _state["library"] = path.name
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as err:

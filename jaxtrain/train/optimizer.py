@@ -7,11 +7,18 @@ compiled step (in the process, and from the persistent compile cache across runs
 """
 from __future__ import annotations
 
+import logging
+from typing import Any, Optional
+
 import jax
 import jax.numpy as jnp
 import optax
 
 from jaxtrain.config import Config
+from jaxtrain.errors import ConfigError
+
+log = logging.getLogger("jaxtrain")
+_logged: set = set()
 
 HYPERPARAMETERS = ("lr", "min_lr", "warmup_steps", "decay_steps", "b1", "b2", "eps", "weight_decay", "clip_norm")
 
@@ -61,13 +68,57 @@ def optimizer(h: dict, param_axes, count=None, grad_norm=None) -> optax.Gradient
     Weight decay applies to matrices only: parameters with two or more logical dimensions
     besides a stacked ``layers`` dim (``param_axes``: the params' pytree of logical-name tuples).
     """
-    decay = jax.tree_util.tree_map(lambda axes: sum(a != "layers" for a in axes) >= 2, param_axes,
-                                   is_leaf=lambda x: isinstance(x, tuple))
+    decay = decay_mask(param_axes)
     lr = h["lr"] if count is None else learning_rate(h, count)
     clip = optax.clip_by_global_norm(h["clip_norm"]) if grad_norm is None else _clip(h["clip_norm"], grad_norm)
     return optax.chain(
         clip,
         optax.adamw(lr, b1=h["b1"], b2=h["b2"], eps=h["eps"], weight_decay=h["weight_decay"], mask=decay))
+
+
+def decay_mask(param_axes) -> Any:
+    """The params' pytree of bools: True where weight decay applies (two or more logical dimensions
+    besides a stacked ``layers`` dim)."""
+    return jax.tree_util.tree_map(lambda axes: sum(a != "layers" for a in axes) >= 2, param_axes,
+                                  is_leaf=lambda x: isinstance(x, tuple))
+
+
+def fused_problem(platform: str, devices: int, stored_dtypes: Any, host_state: bool) -> Optional[str]:
+    """Why the XLA:CPU update kernel (:mod:`jaxtrain.kernels.cpu_adamw`) cannot run the step's update,
+    or None. ``stored_dtypes``: the train state's params' pytree of dtypes (the moments follow them);
+    ``host_state``: the optimizer state or params live in host memory (``offload.*``)."""
+    if platform != "cpu":
+        return f"an XLA:CPU kernel; the backend is '{platform}'"
+    if devices > 1:
+        return f"runs on one device, here {devices}"
+    low = sorted({str(jnp.dtype(dt)) for dt in jax.tree_util.tree_leaves(stored_dtypes)} - {"float32"})
+    if low:
+        return f"float32 params and moments only, here {', '.join(low)}"
+    if host_state:
+        return "the state lives in host memory (offload.optimizer or offload.params)"
+    from jaxtrain.kernels import cpu_fused
+    return cpu_fused.problem()
+
+
+def implementation(choice: str, problem: Optional[str]) -> str:
+    """``optimizer.implementation`` resolved: 'xla' or 'cpu_fused'; ``auto`` takes the kernel where
+    ``problem`` (:func:`fused_problem`) is None (said once per reason).
+
+    Raises:
+      ConfigError: ``cpu_fused`` where it cannot run.
+    """
+    if choice == "xla":
+        return "xla"
+    if choice == "cpu_fused":
+        if problem:
+            raise ConfigError(f"optimizer.implementation=cpu_fused cannot run here: {problem} (use auto or xla)")
+        return "cpu_fused"
+    resolved, reason = ("xla", f"cpu_fused: {problem}") if problem else (
+        "cpu_fused", "backend cpu, one device, float32 state")
+    if (resolved, reason) not in _logged:
+        _logged.add((resolved, reason))
+        log.info("optimizer.implementation=auto -> %s (%s)", resolved, reason)
+    return resolved
 
 
 def _clip(max_norm, norm) -> optax.GradientTransformation:

@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain.config import Config
 from jaxtrain.errors import ConfigError, ShardingError
+from jaxtrain.kernels import cpu_adamw
 from jaxtrain.parallel import offload
 from jaxtrain.parallel.activations import activation_sharding
 from jaxtrain.parallel.pipeline import pipelined, schedule_of
@@ -36,7 +37,8 @@ from jaxtrain.parallel.pipeline_1f1b import pipelined_loss
 from jaxtrain.parallel.rules import Rules, path_str, tree_shardings
 from jaxtrain.runtime.xla_flags import train_step_options
 from jaxtrain.train.model_spec import ModelSpec
-from jaxtrain.train.optimizer import applied_count, hyperparameters, learning_rate, optimizer
+from jaxtrain.train.optimizer import (applied_count, decay_mask, fused_problem, hyperparameters, implementation,
+                                      learning_rate, optimizer)
 
 
 @dataclass
@@ -194,6 +196,9 @@ def build(cfg: Config, mesh: Mesh, rules: Rules, model_spec: ModelSpec) -> StepF
     state_structure = jax.tree_util.tree_structure({"params": abstract_stored, "opt_state": abstract_opt,
                                                     "step": 0, "rng": 0})
     offloading = lambda: offload.active(off, model_dtypes.get("layers") if off.streamed else None)  # noqa: E731
+    fused_update = implementation(cfg.optimizer.implementation, fused_problem(
+        mesh.devices.flat[0].platform, mesh.size, stored, bool(off.state))) == "cpu_fused"
+    decay = decay_mask(axes)
 
     def init_fn():
         key = jax.random.key(cfg.train.seed)
@@ -262,22 +267,26 @@ def build(cfg: Config, mesh: Mesh, rules: Rules, model_spec: ModelSpec) -> StepF
             # state as they were (the step counter and data still advance) and is counted. A cond,
             # not a select over the whole state: the update runs only when taken, and no extra pass
             # over params and moments is made (a per-leaf where cost ~3% of the 25M CPU step).
-            grad_norm = optax.tree.norm(grads)
-            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-
-            def update(params, opt_state):
-                updates, opt_state = optimizer(h, axes, count, grad_norm).update(grads, opt_state, params)
-                return optax.apply_updates(params, updates), opt_state
-
-            if off.state:  # host-resident state: fetched, updated and kept per leaf (jaxtrain.parallel.offload)
-                params, opt_state = offload.guarded_update(update, finite, state["params"], state["opt_state"],
-                                                           state_sh)
+            lr = learning_rate(h, count)
+            if fused_update:  # the same in one XLA:CPU kernel (optimizer.implementation)
+                params, opt_state, grad_norm, finite = cpu_adamw.guarded_update(
+                    h, decay, count, loss, grads, state["params"], state["opt_state"], lr)
             else:
-                params, opt_state = jax.lax.cond(finite, update, lambda p, o: (p, o),
-                                                 state["params"], state["opt_state"])
-        # The rate this step applied (or would have, if skipped): the optimizer's own count, which a
+                grad_norm = optax.tree.norm(grads)
+                finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+
+                def update(params, opt_state):
+                    updates, opt_state = optimizer(h, axes, count, grad_norm).update(grads, opt_state, params)
+                    return optax.apply_updates(params, updates), opt_state
+
+                if off.state:  # host-resident state: fetched, updated and kept per leaf (jaxtrain.parallel.offload)
+                    params, opt_state = offload.guarded_update(update, finite, state["params"], state["opt_state"],
+                                                               state_sh)
+                else:
+                    params, opt_state = jax.lax.cond(finite, update, lambda p, o: (p, o),
+                                                     state["params"], state["opt_state"])
+        # lr: the rate this step applied (or would have, if skipped): the optimizer's own count, which a
         # skipped step does not advance, not the step counter.
-        lr = learning_rate(h, count)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr,
                    "nonfinite": (~finite).astype(jnp.int32), **aux}
         new_state = {"params": params, "opt_state": opt_state, "step": state["step"] + 1, "rng": state["rng"]}

@@ -100,7 +100,8 @@ def test_clipping_with_a_given_norm_is_optaxs():
                 assert float(optax.tree.norm(got)) == pytest.approx(max_norm, rel=1e-6)
 
 
-def test_the_step_updates_as_optax_clip_then_adamw(small_cfg):
+@pytest.mark.parametrize("implementation", ["xla", "cpu_fused"])
+def test_the_step_updates_as_optax_clip_then_adamw(small_cfg, implementation):
     """Three steps of the compiled train step against optax's clip_by_global_norm + adamw applied
     to the same gradients (clipping on: with Adam, unclipped gradients of unequal norms give
     other moments), to float32 rounding (XLA fuses the update, optax runs op by op).
@@ -111,9 +112,11 @@ def test_the_step_updates_as_optax_clip_then_adamw(small_cfg):
     (~4% of so small a value) into 1e-5 of its parameter. That failed on an Intel Xeon (1.03e-5 at
     step 2, one element of the embedding) and passed on an AMD EPYC. With eps 1e-3 every element's
     update is well conditioned, and the clip, the moments, the bias correction and the decay mask
-    are checked as before."""
+    are checked as before. Both implementations of the update (optimizer.implementation): XLA's ops and
+    the XLA:CPU kernel."""
     cfg = small_cfg("mesh.data=1", "optimizer.lr=1e-2", "optimizer.warmup_steps=0", "optimizer.min_lr=1e-2",
-                    "optimizer.clip_norm=0.05", "optimizer.weight_decay=0.1", "optimizer.eps=1e-3")
+                    "optimizer.clip_norm=0.05", "optimizer.weight_decay=0.1", "optimizer.eps=1e-3",
+                    f"optimizer.implementation={implementation}")
     fns = setup(cfg, jax.devices()[:1], vocab=256).fns
     state = fns.init()
     params = jax.device_get(state["params"])

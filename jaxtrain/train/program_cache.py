@@ -119,7 +119,8 @@ def key(s: Any) -> str:
     devices = [(d.platform, d.device_kind, d.id) for d in s.devices]
     config = {k: repr(v) for k, v in sorted(jax.config.values.items()) if "cache" not in k and "log" not in k}
     versions = [sys.version, jax.__version__, jaxlib.__version__, flax.__version__, optax.__version__]
-    # model.attention/matmul and optimizer.implementation=auto trace the fused CPU kernels only where they built: a fallback is its own entry
+    # model.attention/matmul and optimizer.implementation=auto trace the fused CPU kernels only where they
+    # built: a fallback is its own entry
     kernel = ""
     fused = [getattr(s.model_config, key, None) in ("auto", "cpu_fused") for key in ("attention", "matmul")]
     fused.append(s.cfg.optimizer.implementation in ("auto", "cpu_fused"))  # the update's kernel likewise

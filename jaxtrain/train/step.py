@@ -37,8 +37,15 @@ from jaxtrain.parallel.pipeline_1f1b import pipelined_loss
 from jaxtrain.parallel.rules import Rules, path_str, tree_shardings
 from jaxtrain.runtime.xla_flags import train_step_options
 from jaxtrain.train.model_spec import ModelSpec
-from jaxtrain.train.optimizer import (applied_count, decay_mask, fused_problem, hyperparameters, implementation,
-                                      learning_rate, optimizer)
+from jaxtrain.train.optimizer import (
+    applied_count,
+    decay_mask,
+    fused_problem,
+    hyperparameters,
+    implementation,
+    learning_rate,
+    optimizer,
+)
 
 
 @dataclass

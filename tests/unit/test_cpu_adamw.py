@@ -156,7 +156,8 @@ def test_implementation_auto_takes_it_on_one_float32_cpu_device_and_cpu_fused_el
     assert opt.implementation("xla", None) == "xla"
     problems = {opt.fused_problem("gpu", 1, {"w": jnp.float32}, False): "an XLA:CPU kernel; the backend is 'gpu'",
                 opt.fused_problem("cpu", 8, {"w": jnp.float32}, False): "runs on one device, here 8",
-                opt.fused_problem("cpu", 1, {"w": jnp.bfloat16}, False): "float32 params and moments only, here bfloat16",
+                opt.fused_problem("cpu", 1, {"w": jnp.bfloat16}, False):
+                    "float32 params and moments only, here bfloat16",
                 opt.fused_problem("cpu", 1, {"w": jnp.float32}, True):
                     "the state lives in host memory (offload.optimizer or offload.params)"}
     for got, want in problems.items():

@@ -49,6 +49,18 @@ def backend_problem(implementation: str, backend: str) -> Optional[str]:
     return None
 
 
+def rotate(x: jax.Array, cos, sin) -> jax.Array:
+    """Rotary position embedding (Su et al. 2021), HF's rotate_half convention: per half of the last dim,
+    ``x1 cos - x2 sin`` and ``x2 cos + x1 sin``, computed in float32 (one concatenate, no rotated copy).
+
+    x: [batch, length, heads, head_dim]; cos, sin: broadcastable to [batch, length, heads, head_dim / 2]
+    (e.g. [length, 1, head_dim / 2]). Returns x's shape and dtype.
+    """
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
 def xla_attention(q, k, v, segment_ids=None, causal=True, window=None):
     """``jax.nn.dot_product_attention`` (XLA) with the shared mask convention."""
     mask = None
@@ -164,13 +176,13 @@ def fused_problem(q, k, segment_ids=None, window=None) -> Optional[str]:
     return None if why is None else f"cpu_fused: {why}"
 
 
-def fused_cpu_attention(q, k, v, segment_ids=None, causal=True, window=None):
-    """The fused XLA:CPU kernel (jaxtrain/kernels/cpu_fused.py)."""
+def fused_cpu_attention(q, k, v, segment_ids=None, causal=True, window=None, rope=None):
+    """The fused XLA:CPU kernel (jaxtrain/kernels/cpu_fused.py); ``rope``: see :func:`attention`."""
     why = fused_problem(q, k, segment_ids, window) if causal else "cpu_fused: only causal attention"
     if why:
         raise AttentionBackendError(f"model.attention=cpu_fused cannot run here: {why.removeprefix('cpu_fused: ')} "
                                     f"(use auto or blockwise)")
-    return cpu_fused.fused_attention(q, k, v)
+    return cpu_fused.fused_attention(q, k, v, rope)
 
 
 _FUNCTIONS = {"xla": xla_attention, "blockwise": blockwise_attention, "cpu_fused": fused_cpu_attention,
@@ -178,13 +190,22 @@ _FUNCTIONS = {"xla": xla_attention, "blockwise": blockwise_attention, "cpu_fused
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Optional[jax.Array] = None,
-              implementation: str = "auto", *, causal: bool = True, window: Optional[int] = None) -> jax.Array:
+              implementation: str = "auto", *, causal: bool = True, window: Optional[int] = None,
+              rope=None) -> jax.Array:
     """Attention through the named implementation (see the module docstring).
 
     Args:
       window: sliding-window size in keys (query sees keys with q_pos - k_pos < window), or None.
+      rope: None, or rotary tables ``(cos, sin)`` [length, head_dim / 2] float32 for positions
+        0..length-1, applied to q and k first (:func:`rotate`): inside the kernel under cpu_fused (a
+        pass over each fewer, both ways), else by :func:`rotate` before the implementation runs.
     Raises:
       ValueError: unknown implementation; AttentionBackendError: cudnn off a GPU.
     """
-    fn = _FUNCTIONS[choose(implementation, q, k, segment_ids, window, causal=causal)]
-    return fn(q, k, v, segment_ids=segment_ids, causal=causal, window=window)
+    choice = choose(implementation, q, k, segment_ids, window, causal=causal)
+    if rope is not None and choice == "cpu_fused":
+        return fused_cpu_attention(q, k, v, segment_ids=segment_ids, causal=causal, window=window, rope=rope)
+    if rope is not None:
+        cos, sin = (x[:, None, :] for x in rope)  # [length, 1, half]: every batch element and head
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+    return _FUNCTIONS[choice](q, k, v, segment_ids=segment_ids, causal=causal, window=window)

@@ -16,6 +16,8 @@
 // those over the rows (dS^T Q, P^T dO) start at the key block's first row.
 //
 // Layouts (row-major, float32): q, o, dq [B, T, H, D]; k, v, dk, dv [B, T, KVH, D]; lse [B, H, T].
+// The rope handlers also take cos, sin [T, D / 2] and rotate q and k first (Rotate below): the model's
+// rotary embedding, which XLA made a pass over q and k each way.
 // T and D must be multiples of 16. Tasks are spread over XLA's intra-op thread pool and the
 // calling thread (cpu_parallel.h), each thread starting on the batch elements whose token rows its CPU
 // had in the kernel before (the projections' matmul, cpu_matmul.cc, cuts its rows the same way).
@@ -135,6 +137,30 @@ inline void GatherTransposed(const float* slab, int64_t t, int64_t heads, int64_
     for (int64_t c = 0; c < d; ++c) dst[c * t + i] = src[i * stride + c];
 }
 
+// Rotary position embedding (Su et al. 2021; HF's rotate_half convention) of rows [0, t) of one head:
+// y1 = x1 cos - x2 sin, y2 = x2 cos + x1 sin per half of the row, or its transpose (inverse: the
+// gradient) dx1 = dy1 cos + dy2 sin, dx2 = dy2 cos - dy1 sin. cos, sin: [T, D / 2]. Row i of x is at
+// x + i * xs, of y at y + i * ys; y may be x.
+struct Rope {
+  const float *cos, *sin;
+};
+
+inline void Rotate(const Rope& rope, const float* x, int64_t xs, float* y, int64_t ys, int64_t t, int64_t d,
+                   bool inverse) {
+  const int64_t half = d / 2;
+  const float sign = inverse ? -1.0f : 1.0f;
+  for (int64_t i = 0; i < t; ++i) {
+    const float *ci = rope.cos + i * half, *si = rope.sin + i * half;
+    const float* xi = x + i * xs;
+    float* yi = y + i * ys;
+    for (int64_t c = 0; c < half; ++c) {
+      const float a = xi[c], b = xi[c + half], sn = sign * si[c];
+      yi[c] = a * ci[c] - b * sn;
+      yi[c + half] = b * ci[c] + a * sn;
+    }
+  }
+}
+
 // Causal ranges for a row block starting at i0: keys [0, i0 + kRows) (rounded up to a vector
 // width for the output columns), and, for products over rows of a transposed matrix, rows [i0, T).
 inline int64_t KeysUpTo(int64_t i0, int64_t t) { return std::min(t, i0 + kRows); }
@@ -147,24 +173,37 @@ ffi::Error CheckShapes(const Dims& m) {
   return ffi::Error::Success();
 }
 
-// One (batch, kv head) pair of the forward: its query heads' rows, keys and values.
+// One (batch, kv head) pair of the forward: its query heads' rows, keys and values. With rope, q and
+// k are rotated first (into buffers: the operands are the unrotated ones).
 void ForwardTask(const Dims& m, float scale, const float* qp, const float* kp, const float* vp, float* op, float* lp,
-                 int64_t task) {
+                 const Rope* rope, int64_t task) {
   const int64_t g = m.h / m.kvh, t = m.t, d = m.d;
   const int64_t bi = task / m.kvh, kh = task % m.kvh;
   const int64_t qs = m.h * d, ks = m.kvh * d;  // row strides of the [T, heads, D] slabs
   thread_local std::vector<float> buffer;
-  buffer.resize(t * d + t * t);
+  buffer.resize(t * d + t * t + (rope ? 2 * t * d : 0));
   float* kt = buffer.data();
   float* s = kt + t * d;
-  GatherTransposed(kp + bi * t * ks, t, m.kvh, kh, d, kt);
+  float* qr = s + t * t;  // rope: a query head's rotated rows, then the kv head's rotated keys
+  if (rope) {
+    Rotate(*rope, kp + bi * t * ks + kh * d, ks, qr + t * d, d, t, d, false);
+    GatherTransposed(qr + t * d, t, 1, 0, d, kt);
+  } else {
+    GatherTransposed(kp + bi * t * ks, t, m.kvh, kh, d, kt);
+  }
   const float* vv = vp + bi * t * ks + kh * d;
   auto all_d = [&](int64_t) { return std::make_pair(int64_t{0}, d); };
   for (int64_t hh = kh * g; hh < (kh + 1) * g; ++hh) {
     const float* qq = qp + bi * t * qs + hh * d;
+    int64_t qstride = qs;
+    if (rope) {
+      Rotate(*rope, qq, qs, qr, d, t, d, false);
+      qq = qr;
+      qstride = d;
+    }
     // S = Q K^T on the columns a row block can see (scaled in the softmax below)
     for (int64_t i0 = 0; i0 < t; i0 += kRows)
-      Gemm(kRows, Columns(i0, t), qq + i0 * qs, qs, 1, kt, t, s + i0 * t, t, false, all_d);
+      Gemm(kRows, Columns(i0, t), qq + i0 * qstride, qstride, 1, kt, t, s + i0 * t, t, false, all_d);
     float* lrow = lp + (bi * m.h + hh) * t;
     for (int64_t i = 0; i < t; ++i) {
       float* si = s + i * t;
@@ -183,9 +222,9 @@ void ForwardTask(const Dims& m, float scale, const float* qp, const float* kp, c
   }
 }
 
-ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                   ffi::Buffer<ffi::F32> v, float scale, ffi::ResultBuffer<ffi::F32> o,
-                   ffi::ResultBuffer<ffi::F32> lse) {
+ffi::Error ForwardCall(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k,
+                       ffi::Buffer<ffi::F32>& v, float scale, ffi::ResultBuffer<ffi::F32>& o,
+                       ffi::ResultBuffer<ffi::F32>& lse, const Rope* rope) {
   auto qd = q.dimensions(), kd = k.dimensions();
   if (qd.size() != 4 || kd.size() != 4) return ffi::Error::InvalidArgument("q, k, v must be [B, T, heads, D]");
   Dims m{qd[0], qd[1], qd[2], kd[2], qd[3]};
@@ -196,24 +235,56 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
   float* op = o->typed_data();
   float* lp = lse->typed_data();
   jaxtrain::ParallelFor(pool, m.b * m.kvh, pool.num_threads(),
-                        [&](int64_t task) { ForwardTask(m, scale, qp, kp, vp, op, lp, task); });
+                        [&](int64_t task) { ForwardTask(m, scale, qp, kp, vp, op, lp, rope, task); });
   return ffi::Error::Success();
 }
 
+ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                   ffi::Buffer<ffi::F32> v, float scale, ffi::ResultBuffer<ffi::F32> o,
+                   ffi::ResultBuffer<ffi::F32> lse) {
+  return ForwardCall(pool, q, k, v, scale, o, lse, nullptr);
+}
+
+// The rope tables' shapes: [T, D / 2] each.
+bool RopeShapes(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& cos, ffi::Buffer<ffi::F32>& sin) {
+  auto qd = q.dimensions(), cd = cos.dimensions(), sd = sin.dimensions();
+  return qd.size() == 4 && cd.size() == 2 && sd.size() == 2 && cd[0] == qd[1] && cd[1] * 2 == qd[3] &&
+         sd[0] == cd[0] && sd[1] == cd[1];
+}
+
+ffi::Error RopeForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                       ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin, float scale,
+                       ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> lse) {
+  if (!RopeShapes(q, cos, sin)) return ffi::Error::InvalidArgument("cos and sin must be [T, head_dim / 2]");
+  const Rope rope{cos.typed_data(), sin.typed_data()};
+  return ForwardCall(pool, q, k, v, scale, o, lse, &rope);
+}
+
 // One (batch, kv head) pair of the backward: dK and dV summed over its query heads here, written by
-// the first and added to by the others.
+// the first and added to by the others. With rope, the products use the rotated q and k, and dQ and
+// dK are rotated back (the rotation's transpose) once complete.
 void BackwardTask(const Dims& m, float scale, const float* qp, const float* kp, const float* vp, const float* op,
-                  const float* lp, const float* dop, float* dqp, float* dkp, float* dvp, int64_t task) {
+                  const float* lp, const float* dop, float* dqp, float* dkp, float* dvp, const Rope* rope,
+                  int64_t task) {
   const int64_t g = m.h / m.kvh, t = m.t, d = m.d;
   const int64_t bi = task / m.kvh, kh = task % m.kvh;
   const int64_t qs = m.h * d, ks = m.kvh * d;  // row strides of the [T, heads, D] slabs
   thread_local std::vector<float> buffer;
-  buffer.resize(2 * t * d + 2 * t * t);
+  buffer.resize(2 * t * d + 2 * t * t + (rope ? 2 * t * d : 0));
   float *kt = buffer.data(), *vt = kt + t * d, *p = vt + t * d, *ds = p + t * t;
+  float *qr = ds + t * t, *kr = qr + t * d;  // rope: a query head's and the kv head's rotated rows
   const int64_t koff = bi * t * ks + kh * d, qoff = bi * t * qs;
-  GatherTransposed(kp + bi * t * ks, t, m.kvh, kh, d, kt);
-  GatherTransposed(vp + bi * t * ks, t, m.kvh, kh, d, vt);
   const float* kk = kp + koff;
+  int64_t kstride = ks;
+  if (rope) {
+    Rotate(*rope, kk, ks, kr, d, t, d, false);
+    kk = kr;
+    kstride = d;
+    GatherTransposed(kr, t, 1, 0, d, kt);
+  } else {
+    GatherTransposed(kp + bi * t * ks, t, m.kvh, kh, d, kt);
+  }
+  GatherTransposed(vp + bi * t * ks, t, m.kvh, kh, d, vt);
   float* dk = dkp + koff;
   float* dv = dvp + koff;
   auto all_d = [&](int64_t) { return std::make_pair(int64_t{0}, d); };
@@ -222,9 +293,15 @@ void BackwardTask(const Dims& m, float scale, const float* qp, const float* kp, 
   for (int64_t hh = kh * g; hh < (kh + 1) * g; ++hh) {
     const bool first = hh == kh * g;
     const float *qq = qp + qoff + hh * d, *oo = op + qoff + hh * d, *dd = dop + qoff + hh * d;
+    int64_t qstride = qs;
+    if (rope) {
+      Rotate(*rope, qq, qs, qr, d, t, d, false);
+      qq = qr;
+      qstride = d;
+    }
     for (int64_t i0 = 0; i0 < t; i0 += kRows) {
       const int64_t cols = Columns(i0, t);
-      Gemm(kRows, cols, qq + i0 * qs, qs, 1, kt, t, p + i0 * t, t, false, all_d);
+      Gemm(kRows, cols, qq + i0 * qstride, qstride, 1, kt, t, p + i0 * t, t, false, all_d);
       Gemm(kRows, cols, dd + i0 * qs, qs, 1, vt, t, ds + i0 * t, t, false, all_d);  // dP
     }
     const float* lrow = lp + (bi * m.h + hh) * t;
@@ -241,16 +318,19 @@ void BackwardTask(const Dims& m, float scale, const float* qp, const float* kp, 
       for (int64_t j = 0; j < n; ++j) dsi[j] = pi[j] * (dsi[j] - di) * scale;  // dQ's and dK's scale, once
       for (int64_t j = n; j < t; ++j) pi[j] = dsi[j] = 0.0f;
     }
-    Gemm(t, d, ds, t, 1, kk, ks, dqp + qoff + hh * d, qs, false, keys);  // dQ = s dS K
-    Gemm(t, d, ds, 1, t, qq, qs, dk, ks, !first, rows_from);  // dK (+)= s dS^T Q
+    float* dq = dqp + qoff + hh * d;
+    Gemm(t, d, ds, t, 1, kk, kstride, dq, qs, false, keys);  // dQ = s dS K
+    if (rope) Rotate(*rope, dq, qs, dq, qs, t, d, true);
+    Gemm(t, d, ds, 1, t, qq, qstride, dk, ks, !first, rows_from);  // dK (+)= s dS^T Q
     Gemm(t, d, p, 1, t, dd, qs, dv, ks, !first, rows_from);  // dV (+)= P^T dO
   }
+  if (rope) Rotate(*rope, dk, ks, dk, ks, t, d, true);
 }
 
-ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                    ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> o, ffi::Buffer<ffi::F32> lse,
-                    ffi::Buffer<ffi::F32> dout, float scale, ffi::ResultBuffer<ffi::F32> dq,
-                    ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv) {
+ffi::Error BackwardCall(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k,
+                        ffi::Buffer<ffi::F32>& v, ffi::Buffer<ffi::F32>& o, ffi::Buffer<ffi::F32>& lse,
+                        ffi::Buffer<ffi::F32>& dout, float scale, ffi::ResultBuffer<ffi::F32>& dq,
+                        ffi::ResultBuffer<ffi::F32>& dk, ffi::ResultBuffer<ffi::F32>& dv, const Rope* rope) {
   auto qd = q.dimensions(), kd = k.dimensions();
   Dims m{qd[0], qd[1], qd[2], kd[2], qd[3]};
   if (auto err = CheckShapes(m); err.failure()) return err;
@@ -263,9 +343,27 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
   float* dqp = dq->typed_data();
   float* dkp = dk->typed_data();
   float* dvp = dv->typed_data();
-  jaxtrain::ParallelFor(pool, m.b * m.kvh, pool.num_threads(),
-                        [&](int64_t task) { BackwardTask(m, scale, qp, kp, vp, op, lp, dop, dqp, dkp, dvp, task); });
+  jaxtrain::ParallelFor(pool, m.b * m.kvh, pool.num_threads(), [&](int64_t task) {
+    BackwardTask(m, scale, qp, kp, vp, op, lp, dop, dqp, dkp, dvp, rope, task);
+  });
   return ffi::Error::Success();
+}
+
+ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                    ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> o, ffi::Buffer<ffi::F32> lse,
+                    ffi::Buffer<ffi::F32> dout, float scale, ffi::ResultBuffer<ffi::F32> dq,
+                    ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv) {
+  return BackwardCall(pool, q, k, v, o, lse, dout, scale, dq, dk, dv, nullptr);
+}
+
+ffi::Error RopeBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                        ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> o, ffi::Buffer<ffi::F32> lse,
+                        ffi::Buffer<ffi::F32> dout, ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin,
+                        float scale, ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
+                        ffi::ResultBuffer<ffi::F32> dv) {
+  if (!RopeShapes(q, cos, sin)) return ffi::Error::InvalidArgument("cos and sin must be [T, head_dim / 2]");
+  const Rope rope{cos.typed_data(), sin.typed_data()};
+  return BackwardCall(pool, q, k, v, o, lse, dout, scale, dq, dk, dv, &rope);
 }
 
 }  // namespace
@@ -283,6 +381,34 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtrainCpuAttentionForward, Forward,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtrainCpuAttentionBackward, Backward,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtrainCpuAttentionRopeForward, RopeForward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtrainCpuAttentionRopeBackward, RopeBackward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

@@ -44,13 +44,14 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_attention.cc", 
                                                                 "cpu_norm.cc", "cpu_adamw.cc"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_parallel.h", "cpu_gemm.h", "cpu_math.h"))
 FORWARD, BACKWARD = "jaxtrain_cpu_attention_fwd", "jaxtrain_cpu_attention_bwd"
+ROPE_FORWARD, ROPE_BACKWARD = "jaxtrain_cpu_attention_rope_fwd", "jaxtrain_cpu_attention_rope_bwd"
 MATMUL = "jaxtrain_cpu_matmul"
 SWIGLU_FORWARD, SWIGLU_BACKWARD = "jaxtrain_cpu_swiglu_fwd", "jaxtrain_cpu_swiglu_bwd"  # cpu_mlp.cc
 MATMUL_SUM = "jaxtrain_cpu_matmul_sum"  # cpu_mlp.cc
 RMSNORM_FORWARD, RMSNORM_BACKWARD = "jaxtrain_cpu_rms_norm_fwd", "jaxtrain_cpu_rms_norm_bwd"  # cpu_norm.cc
 ADAMW = "jaxtrain_cpu_adamw"  # cpu_adamw.cc
-TARGETS = (FORWARD, BACKWARD, MATMUL, SWIGLU_FORWARD, SWIGLU_BACKWARD, MATMUL_SUM, RMSNORM_FORWARD, RMSNORM_BACKWARD,
-           ADAMW)
+TARGETS = (FORWARD, BACKWARD, ROPE_FORWARD, ROPE_BACKWARD, MATMUL, SWIGLU_FORWARD, SWIGLU_BACKWARD, MATMUL_SUM,
+           RMSNORM_FORWARD, RMSNORM_BACKWARD, ADAMW)
 MAX_LENGTH = 1024  # two [length, length] float32 tiles per thread: 8 MiB at 1024
 STALE_S = 600  # a temporary library this old is a killed build's leftover (a build takes seconds)
 FLAGS = ("-std=c++20", "-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared", "-w")
@@ -178,7 +179,9 @@ def _register() -> Optional[str]:
         jax.ffi.register_ffi_target(FORWARD, jax.ffi.pycapsule(library.JaxtrainCpuAttentionForward), platform="cpu")
         jax.ffi.register_ffi_target(BACKWARD, jax.ffi.pycapsule(library.JaxtrainCpuAttentionBackward),
                                     platform="cpu")
-        for target, symbol in ((MATMUL, library.JaxtrainCpuMatmul), (SWIGLU_FORWARD, library.JaxtrainCpuSwigluForward),
+        for target, symbol in ((ROPE_FORWARD, library.JaxtrainCpuAttentionRopeForward),
+                               (ROPE_BACKWARD, library.JaxtrainCpuAttentionRopeBackward),
+                               (MATMUL, library.JaxtrainCpuMatmul), (SWIGLU_FORWARD, library.JaxtrainCpuSwigluForward),
                                (SWIGLU_BACKWARD, library.JaxtrainCpuSwigluBackward),
                                (MATMUL_SUM, library.JaxtrainCpuMatmulSum),
                                (RMSNORM_FORWARD, library.JaxtrainCpuRmsNormForward),
@@ -210,40 +213,45 @@ def shape_problem(q_shape, k_shape, causal: bool, segment_ids, window) -> Option
     return None
 
 
-def _forward(q, k, v):
+def _forward(q, k, v, rope):
     b, t, h, d = q.shape
-    return jax.ffi.ffi_call(FORWARD, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
-                                      jax.ShapeDtypeStruct((b, h, t), jnp.float32)),
-                            vmap_method="sequential")(q, k, v, scale=np.float32(1 / math.sqrt(d)))
+    call = jax.ffi.ffi_call(FORWARD if rope is None else ROPE_FORWARD,
+                            (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct((b, h, t), jnp.float32)),
+                            vmap_method="sequential")
+    return call(q, k, v, *(rope or ()), scale=np.float32(1 / math.sqrt(d)))
 
 
 @jax.custom_vjp
-def _attention(q, k, v):
-    return _forward(q, k, v)[0]
+def _attention(q, k, v, rope):
+    return _forward(q, k, v, rope)[0]
 
 
-def _attention_fwd(q, k, v):
-    o, lse = _forward(q, k, v)
-    return o, (q, k, v, o, lse)
+def _attention_fwd(q, k, v, rope):
+    o, lse = _forward(q, k, v, rope)
+    return o, (q, k, v, o, lse, rope)
 
 
 def _attention_bwd(res, do):
-    q, k, v, o, lse = res
+    q, k, v, o, lse, rope = res
     shapes = tuple(jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (q, k, v))
-    return tuple(jax.ffi.ffi_call(BACKWARD, shapes, vmap_method="sequential")(
-        q, k, v, o, lse, do, scale=np.float32(1 / math.sqrt(q.shape[-1]))))
+    grads = jax.ffi.ffi_call(BACKWARD if rope is None else ROPE_BACKWARD, shapes, vmap_method="sequential")(
+        q, k, v, o, lse, do, *(rope or ()), scale=np.float32(1 / math.sqrt(q.shape[-1])))
+    return (*grads, None if rope is None else tuple(jnp.zeros_like(x) for x in rope))  # the tables: constants
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, rope=None) -> jax.Array:
     """Causal softmax(q k^T / sqrt(head_dim)) v on the CPU, computed in float32.
 
     Args:
       q: [batch, length, heads, head_dim]; k, v: [batch, length, kv_heads, head_dim], heads a
         multiple of kv_heads (grouped-query attention without repeating K/V); length and head_dim
         multiples of 16, length at most :data:`MAX_LENGTH`.
+      rope: None, or ``(cos, sin)`` [length, head_dim / 2] float32: q and k are rotated by them first
+        (rotary embedding, HF's rotate_half; ``jaxtrain.models.attention.rotate``) inside the kernel,
+        which saves XLA a pass over each in the forward and another in the backward.
     Returns: [batch, length, heads, head_dim] in q's dtype.
     Raises:
       RuntimeError: the kernel is not available (:func:`problem` says why).
@@ -256,4 +264,9 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     if shape_why:
         raise ValueError(f"model.attention=cpu_fused: {shape_why}")
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-    return _attention(*f32).astype(q.dtype)
+    if rope is not None:
+        rope = tuple(jnp.asarray(x, jnp.float32) for x in rope)
+        if any(x.shape != (q.shape[1], q.shape[3] // 2) for x in rope):
+            raise ValueError(f"model.attention=cpu_fused: rope tables must be [length, head_dim / 2] = "
+                             f"{[q.shape[1], q.shape[3] // 2]}, got {[list(x.shape) for x in rope]}")
+    return _attention(*f32, rope).astype(q.dtype)

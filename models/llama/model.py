@@ -34,7 +34,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.kernels import cpu_mlp
-from jaxtrain.models.attention import attention
+from jaxtrain.models.attention import attention, choose, rotate
 from jaxtrain.models.decoder import Decoder
 from jaxtrain.models.layers import MATMUL_NAME, RMSNorm, fused_mlp, param, project, projections
 from jaxtrain.models.llama.config import LlamaConfig, RopeScaling
@@ -72,27 +72,29 @@ def rope_frequencies(head_dim: int, theta: float, scaling: Optional[RopeScaling]
     return jnp.where(wavelen < old_len / hi, inv_freq, out).astype(jnp.float32)
 
 
+def rotary_tables(length: int, head_dim: int, theta: float,
+                  scaling: Optional[RopeScaling] = None) -> tuple[np.ndarray, np.ndarray]:
+    """(cos, sin) [length, head_dim // 2] float32 of positions 0..length-1: constants of the program
+    (computed in its fusions, XLA evaluated sin and cos once per element of every q and k, ~4% of a
+    small model's CPU step)."""
+    with jax.ensure_compile_time_eval():
+        inv_freq = np.asarray(rope_frequencies(head_dim, theta, scaling))
+    angles = np.arange(length, dtype=np.float32)[:, None] * inv_freq  # [t, half]
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
 def rotary(x: jax.Array, positions: Optional[jax.Array], theta: float,
            scaling: Optional[RopeScaling] = None) -> jax.Array:
-    """Rotary embedding, HF rotate_half convention. x: [batch, length, heads, kv]; positions: [batch, length]
-    int, or None for 0..length-1.
-
-    out = x * cos + rotate_half(x) * sin, written per half (one concatenate, no rotated copy of x).
-    ``scaling``: the frequency scaling of :func:`rope_frequencies` (None: plain RoPE).
-    Without positions the cos/sin tables are constants of the program: computed in its fusions, XLA
-    evaluated sin and cos once per element of every q and k (~4% of a small model's CPU step).
-    """
-    half = x.shape[-1] // 2
+    """Rotary embedding, HF rotate_half convention (:func:`jaxtrain.models.attention.rotate`).
+    x: [batch, length, heads, kv]; positions: [batch, length] int, or None for 0..length-1
+    (:func:`rotary_tables`). ``scaling``: the frequency scaling of :func:`rope_frequencies` (None:
+    plain RoPE)."""
     if positions is None:
-        with jax.ensure_compile_time_eval():
-            inv_freq = np.asarray(rope_frequencies(x.shape[-1], theta, scaling))
-        angles = np.arange(x.shape[1], dtype=np.float32)[:, None, None] * inv_freq  # [t, 1, half]
-        cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+        cos, sin = (t[:, None, :] for t in rotary_tables(x.shape[1], x.shape[-1], theta, scaling))  # [t, 1, half]
     else:
         angles = positions.astype(jnp.float32)[..., None, None] * rope_frequencies(x.shape[-1], theta, scaling)
         cos, sin = jnp.cos(angles), jnp.sin(angles)  # [b, t, 1, half]
-    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    return rotate(x, cos, sin)
 
 
 class Attention(nnx.Module):
@@ -112,14 +114,21 @@ class Attention(nnx.Module):
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         # [b, t, heads, kv], [b, t, kv_heads, kv] twice
         q, k, v = projections(x, tuple(w[...].astype(dt) for w in (self.wq, self.wk, self.wv)), cfg.matmul)
-        q = constrain(rotary(q, positions, cfg.rope_theta, cfg.rope_scaling), "batch", "length", "heads", "kv")
+        # The CPU attention kernel rotates q and k itself (a pass over each fewer, both ways) where it runs
+        # and the positions are 0..length-1 (the qkv names below then mark q and k before the rotation).
+        rope = None
+        if positions is None and choose(cfg.attention, q, k, segment_ids) == "cpu_fused":
+            rope = rotary_tables(q.shape[1], q.shape[-1], cfg.rope_theta, cfg.rope_scaling)
+        else:
+            q, k = (rotary(a, positions, cfg.rope_theta, cfg.rope_scaling) for a in (q, k))
+        q = constrain(q, "batch", "length", "heads", "kv")
         # K/V get their own length name: sequence parallelism gathers them over the full length.
         # Ring attention keeps K/V split like the queries (it rotates them), so no gather.
         kv_len = "length" if cfg.attention == "ring" else "kv_length"
-        k = constrain(rotary(k, positions, cfg.rope_theta, cfg.rope_scaling), "batch", kv_len, "kv_heads", "kv")
+        k = constrain(k, "batch", kv_len, "kv_heads", "kv")
         v = constrain(v, "batch", kv_len, "kv_heads", "kv")
         q, k, v = (checkpoint_name(a, "qkv") for a in (q, k, v))  # offload.activations names (see Block)
-        out = attention(q, k, v, segment_ids=segment_ids, implementation=cfg.attention)
+        out = attention(q, k, v, segment_ids=segment_ids, implementation=cfg.attention, rope=rope)
         out = checkpoint_name(constrain(out, "batch", "length", "heads", "kv"), "attn_out")
         return project(out, self.wo[...].astype(dt), n_in=2, implementation=cfg.matmul)
 
@@ -151,9 +160,10 @@ class Block(nnx.Module):
 
     Named activations (``jax.ad_checkpoint.checkpoint_name``; ``offload.activations`` saves them to host
     memory instead of recomputing them): ``attn_in`` (the normed attention input), ``qkv`` (queries, keys
-    and values after rotary), ``attn_out`` (attention's output before ``wo``), ``mlp_in`` (the normed MLP
-    input), ``mlp_hidden`` (the SwiGLU product, ``w_down``'s input): each one a value the block's backward pass
-    reads (its output is not: the residual add needs no value, and the scan keeps each block's input).
+    and values after rotary, or before it where the CPU attention kernel rotates them), ``attn_out``
+    (attention's output before ``wo``), ``mlp_in`` (the normed MLP input), ``mlp_hidden`` (the SwiGLU
+    product, ``w_down``'s input): each one a value the block's backward pass reads (its output is not:
+    the residual add needs no value, and the scan keeps each block's input).
     """
 
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):

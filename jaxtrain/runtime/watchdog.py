@@ -36,6 +36,7 @@ from jaxtrain.runtime import heartbeat
 
 HANG_FLOOR_S = 300.0  # the automatic limit of one step is never below this
 HANG_FACTOR = 20.0  # ... and is this many times the slowest step measured so far
+STUCK = "a collective whose peers never arrive, or a deadlocked runtime"  # device work's likely cause
 
 
 def seconds(x: float) -> str:
@@ -47,8 +48,9 @@ def seconds(x: float) -> str:
 class Work:
     """One piece of device work the loop waits for (see :meth:`Watchdog.begin`)."""
 
-    def __init__(self, what: str, step: int, scale: Optional[float], limit_s: Optional[float] = None):
-        self.what, self.step, self.scale = what, step, scale
+    def __init__(self, what: str, step: int, scale: Optional[float], limit_s: Optional[float] = None,
+                 cause: Optional[str] = None):
+        self.what, self.step, self.scale, self.cause = what, step, scale, cause
         self.limit_s = limit_s  # a compile's own limit (train.compile_timeout_s), not scaled from a step's
         self.begun = time.monotonic()
         self.array: Any = None
@@ -98,10 +100,12 @@ class Watchdog:
         self.thread = threading.Thread(target=self._run, args=(poll,), name="jaxtrain-hang-watchdog", daemon=True)
         self.thread.start()
 
-    def begin(self, what: str, step: int = -1, scale: Optional[float] = 1.0) -> Work:
+    def begin(self, what: str, step: int = -1, scale: Optional[float] = 1.0, cause: Optional[str] = None) -> Work:
         """Announces device work before it is dispatched. ``scale``: its limit in steps' limits
-        (an evaluation: its batches); None: described but not limited (a save has its own bound)."""
-        return self._queue(Work(what, step, scale))
+        (an evaluation: its batches); None: described but not limited (a save has its own bound).
+        ``cause``: what being stuck there likely means, for the message (default: a collective or the
+        runtime). The host's own waits in the loop's order (the next batch) are announced the same way."""
+        return self._queue(Work(what, step, scale, cause=cause))
 
     def begin_compile(self, what: str, limit_s: Optional[float]) -> Work:
         """Announces a compile the caller waits for (``what``: "the train step's compile"); it ends
@@ -187,9 +191,8 @@ class Watchdog:
         auto = "" if self.limit_s is not None else ", automatic: set train.hang_timeout_s to choose it"
         at = f" at step {work.step}" if work.step >= 0 else ""
         self.on_hang(f"train.hang_timeout_s: {work.what}{at} made no progress for {seconds(waited)} s "
-                     f"(limit {seconds(limit)} s{auto}); the process is alive but stuck (a collective whose peers "
-                     f"never arrive, or a deadlocked runtime). {where}. Committed checkpoints are intact; "
-                     f"rerun to resume")
+                     f"(limit {seconds(limit)} s{auto}); the process is alive but stuck ({work.cause or STUCK}). "
+                     f"{where}. Committed checkpoints are intact; rerun to resume")
 
 
 def _exit_hung(message: str) -> None:

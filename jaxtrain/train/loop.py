@@ -32,6 +32,8 @@ from jaxtrain.train.assembly import Setup
 # Train steps dispatched but not finished: XLA:CPU deadlocks on ~100 unread multi-device programs in
 # flight, and more than two buys no overlap that two do not.
 MAX_IN_FLIGHT = 2
+# The likely cause named when the loop waits too long for a batch (jaxtrain.runtime.watchdog)
+DATA_STUCK = "the data pipeline never returned a batch: a read that hangs (a remote store, a network filesystem)"
 
 
 def stop_diverged(ckpt: Any, message: str, step: Optional[int] = None) -> None:
@@ -263,9 +265,19 @@ class TrainLoop:
         """The number of validation batches."""
         return next(iter(self.val.values())).shape[0]
 
-    def begin(self, what: str, step: int = -1, scale: Optional[float] = 1.0):
+    def begin(self, what: str, step: int = -1, scale: Optional[float] = 1.0, cause: Optional[str] = None):
         """Announces device work to the hang watchdog (:meth:`Watchdog.begin`)."""
-        return self.watch.begin(what, step, scale) if self.watch is not None else _Unwatched()
+        return self.watch.begin(what, step, scale, cause) if self.watch is not None else _Unwatched()
+
+    @contextlib.contextmanager
+    def drawing(self, step: int):
+        """The loop waiting for the data pipeline (the next batch, or the one it draws ahead), bounded
+        as a step is (``train.hang_timeout_s``): a source that never returns ends the run by name."""
+        work = self.begin("the next batch from the data pipeline", step, cause=DATA_STUCK)
+        try:
+            yield
+        finally:
+            work.end()
 
     @contextlib.contextmanager
     def compiling(self, what: str) -> Iterator[None]:
@@ -336,7 +348,8 @@ class TrainLoop:
                 self.batches = Lookahead(self.batches, threaded=cpu_dispatch.inline(len(self.setup.devices)))
             for step in range(self.start + 1, self.cfg.train.steps + 1):
                 t0 = time.perf_counter()
-                batch = next(self.batches)
+                with self.drawing(step):
+                    batch = next(self.batches)
                 self.data_wait_s += time.perf_counter() - t0
                 if step_fn is None:
                     step_fn = self._compile(hooks, batch)
@@ -351,7 +364,8 @@ class TrainLoop:
                 work.until(metrics["loss"])
                 if step < self.cfg.train.steps:  # the next batch, assembled while this step runs
                     t0 = time.perf_counter()
-                    self.batches.fetch()
+                    with self.drawing(step + 1):
+                        self.batches.fetch()
                     self.data_wait_s += time.perf_counter() - t0
                 rec = self._after_step(cadence, StepRecord(step, metrics, step == self.cfg.train.steps))
                 if rec.stop:

@@ -79,6 +79,42 @@ def test_a_hung_step_ends_with_the_named_error_and_every_threads_stack(tmp_path,
         assert re.search(r'File ".*hang\.py", line \d+ in host\n', text) and " in run\n" in text, text
 
 
+DATA_HANG = """
+import sys, threading
+from jaxtrain.runtime import signals
+signals.during_startup()
+from jaxtrain.train import loop
+draw, calls = loop.Lookahead._draw, [0]
+def stuck(self):
+    calls[0] += 1
+    if calls[0] == 3:
+        print("the data hangs now", flush=True)
+        threading.Event().wait()  # a read that never returns
+    return draw(self)
+loop.Lookahead._draw = stuck
+from jaxtrain.cli.train import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_data_pipeline_that_never_returns_a_batch_ends_by_name(tmp_path, corpus_path):
+    """The loop's wait for a batch is bounded like a step: the third draw blocks forever (on the loop's
+    own thread, or on the thread that draws the next batch while a step runs inline)."""
+    script = tmp_path / "data_hang.py"
+    script.write_text(DATA_HANG)
+    args = crash_trials.command(tmp_path / "run", corpus_path, 6)[3:]
+    child = Child([sys.executable, str(script), *args, "checkpoint.enabled=false", "model.n_layers=1",
+                   "train.hang_timeout_s=3"])
+    child.wait_for_line("the data hangs now")
+    out = child.finish(timeout=60)
+    assert child.proc.returncode == 5, out
+    assert re.search(r"^error: train\.hang_timeout_s: the next batch from the data pipeline at step \d made no "
+                     r"progress for [\d.]+ s \(limit 3 s\); the process is alive but stuck \(the data pipeline "
+                     r"never returned a batch: a read that hangs \(a remote store, a network filesystem\)\)\. "
+                     r"Every thread's Python stack is in ", out, re.M), out
+    assert "in stuck" in (tmp_path / "run" / "hang_stacks.process0.txt").read_text()
+
+
 def test_sigterm_into_a_hung_step_exits_75_within_the_grace_period(tmp_path, corpus_path):
     child = hung_child(tmp_path, corpus_path, "train.hang_timeout_s=600", "checkpoint.grace_period_s=2")
     child.wait_for_line("hanging now on ")

@@ -320,6 +320,9 @@ def _plan(args: argparse.Namespace) -> int:
         print("\nnot compiled:")
         for c in others:
             print(f"  {c.rules:8s} {c.mesh_str}  {c.status}: {c.reason}")
+    if not any(c.status == "compiled" for c in cands):  # nothing to rank: the config cannot run on any of them
+        sys.stdout.flush()
+        raise ConfigError(f"plan: no candidate compiled on {args.devices} devices; each one's reason is above")
     return 0
 
 

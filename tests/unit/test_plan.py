@@ -130,9 +130,11 @@ def test_plan_rejects_with_the_named_error_before_compiling():
 def test_plan_cli(capsys):
     assert plan_cli.main(["--rules", "dp"]) == 2
     assert capsys.readouterr().err == "error: --devices: give the number of devices to plan for, e.g. --devices 8\n"
+    # nothing compiled: every candidate's reason, then a named error and exit 2 (the config cannot run)
     assert plan_cli.main(["--devices", "2", "--rules", "dp", "model.vocab_size=256", *SMALL,
-                      "train.global_batch=3"]) == 0
-    out = capsys.readouterr().out
+                      "train.global_batch=3"]) == 2
+    out, err = capsys.readouterr()
+    assert err.endswith("error: plan: no candidate compiled on 2 devices; each one's reason is above\n")
     assert out.startswith("plan: 2 devices, 2 candidates, 0 compiled in ")
     assert "not compiled:\n  dp       1,1,1,1,1,2  rejected: pipeline.microbatches: the micro-batch of 3" in out
     assert "  dp       2,1,1,1,1,1  rejected: train.global_batch: micro-batch 3" in out

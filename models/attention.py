@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jaxtrain.errors import AttentionBackendError
 from jaxtrain.kernels import blockwise, cpu_fused, reference, ring, target
 from jaxtrain.parallel.activations import active_sharding, devices_along
+from jaxtrain.runtime import once
 
 IMPLEMENTATIONS = ("auto", "xla", "blockwise", "cpu_fused", "cudnn", "pallas", "ring")
 log = logging.getLogger("jaxtrain.attention")
@@ -136,8 +137,7 @@ def choose(implementation: str, q, k, segment_ids=None, window=None, backend: Op
     # Blocks cut from a length the rules split over devices would move between devices.
     length_split = devices_along(q.shape, ("batch", "length", "heads", "kv"), 1) > 1
     if implementation == "blockwise" and length_split:
-        if ("blockwise", "sharded") not in _logged:
-            _logged.add(("blockwise", "sharded"))
+        if once.first(_logged, ("blockwise", "sharded")):
             log.warning("model.attention=blockwise with the length split over devices: the query blocks "
                         "cut across devices and XLA moves them between devices (use ring or xla)")
     if implementation != "auto":
@@ -154,8 +154,7 @@ def choose(implementation: str, q, k, segment_ids=None, window=None, backend: Op
     else:
         why = fused_problem(q, k, segment_ids, window)
         choice, reason = ("cpu_fused", f"backend {backend}") if why is None else ("blockwise", why)
-    if (choice, reason) not in _logged:
-        _logged.add((choice, reason))
+    if once.first(_logged, (choice, reason)):
         log.info("model.attention=auto -> %s (%s)", choice, reason)
     return choice
 

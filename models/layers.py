@@ -20,6 +20,7 @@ from jaxtrain.errors import ConfigError
 from jaxtrain.kernels import cpu_fused, cpu_matmul, cpu_norm, target
 from jaxtrain.parallel import offload
 from jaxtrain.parallel.activations import active_sharding, devices_along
+from jaxtrain.runtime import once
 
 log = logging.getLogger("jaxtrain")
 
@@ -122,8 +123,7 @@ def matmul_choice(implementation: str, x: jax.Array, w: jax.Array) -> str:
                f"XLA's dots are as fast")
     choice, reason = ("xla", f"cpu_fused: {why}") if why else (
         "cpu_fused", f"backend cpu, one device, float32, products under {AUTO_MAX_FLOPS / 1e6:.0f} MFLOP")
-    if (choice, reason) not in _logged:
-        _logged.add((choice, reason))
+    if once.first(_logged, (choice, reason)):
         log.info("model.matmul=auto -> %s (%s)", choice, reason)
     return choice
 

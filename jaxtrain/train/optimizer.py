@@ -16,6 +16,7 @@ import optax
 
 from jaxtrain.config import Config
 from jaxtrain.errors import ConfigError
+from jaxtrain.runtime import once
 
 log = logging.getLogger("jaxtrain")
 _logged: set = set()
@@ -115,8 +116,7 @@ def implementation(choice: str, problem: Optional[str]) -> str:
         return "cpu_fused"
     resolved, reason = ("xla", f"cpu_fused: {problem}") if problem else (
         "cpu_fused", "backend cpu, one device, float32 state")
-    if (resolved, reason) not in _logged:
-        _logged.add((resolved, reason))
+    if once.first(_logged, (resolved, reason)):
         log.info("optimizer.implementation=auto -> %s (%s)", resolved, reason)
     return resolved
 

@@ -1,0 +1,21 @@
+"""A decision said once per process, from any number of threads at once (jaxtrain.runtime.once)."""
+import threading
+
+from jaxtrain.runtime import once
+
+
+def test_only_the_first_of_many_threads_adding_an_item_is_told_so():
+    for _ in range(50):
+        seen, firsts, gate = set(), [], threading.Barrier(8)
+
+        def add():
+            gate.wait()
+            firsts.append(once.first(seen, ("cpu_fused", "backend cpu")))
+
+        threads = [threading.Thread(target=add) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(firsts) == [False] * 7 + [True] and seen == {("cpu_fused", "backend cpu")}
+    assert once.first(seen, ("xla", "another reason")) and not once.first(seen, ("xla", "another reason"))

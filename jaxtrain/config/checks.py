@@ -188,7 +188,27 @@ def check_against_mesh(cfg: "Config", axis_sizes: dict[str, int], platform: Opti
             f"grad_accum {cfg.train.grad_accum}) is not divisible by data*fsdp*expert = "
             f"{axis_sizes['data']}*{axis_sizes['fsdp']}*{axis_sizes['expert']} = {batch_div}")
     check_pipeline_against_mesh(cfg, axis_sizes)
+    if cfg.optimizer.implementation == "cpu_fused":
+        check_fused_update(cfg, axis_sizes, platform)
     cfg.model.check_against_mesh(cfg, axis_sizes, platform)
+
+
+def check_fused_update(cfg: "Config", axis_sizes: dict[str, int], platform: Optional[str]) -> None:
+    """What ``optimizer.implementation=cpu_fused`` needs that the config shows (the step's own check,
+    ``jaxtrain.train.optimizer.fused_problem``, also sees the state's dtypes and whether the kernel built).
+
+    Raises:
+      ConfigError: naming the key to change.
+    """
+    key = "optimizer.implementation: cpu_fused"
+    if platform and platform != "cpu":
+        raise ConfigError(f"{key} is an XLA:CPU kernel; the backend is '{platform}' (use auto or xla)")
+    devices = math.prod(axis_sizes.values())
+    if devices > 1:
+        raise ConfigError(f"{key} runs on one device; the mesh has {devices} (use auto or xla)")
+    if cfg.offload.optimizer == "host" or cfg.offload.params == "host":
+        raise ConfigError(f"{key} updates state in device memory; offload.optimizer or offload.params puts it in "
+                          f"host memory (use auto or xla)")
 
 
 def check_pipeline_against_mesh(cfg: "Config", axis_sizes: dict[str, int]) -> None:

@@ -14,7 +14,8 @@
 // params, the L gradients, the L first and the L second moments (each leaf's four the same shape).
 // Results: the L params, L first and L second moments (aliased to their operands by the caller), and
 // the norm f32[]. Attribute decay: int32[L], 1 where the leaf decays. The norm sums chunks of kChunk
-// floats in 16 lanes, then the chunks in order in double, so it depends on the shapes only.
+// floats in 16 lanes, then the chunks in order in double (rounded to float32 before the root), so it
+// depends on the shapes only.
 // The update is written as XLA:CPU compiles optax's (jax 0.10.2): its algebraic simplifier turns
 // (mu / bc1) / d into mu / (bc1 d), and LLVM contracts four products into fused multiply-adds, the
 // ones below and no others (this file is compiled without contraction). So, given the same norm, the
@@ -132,7 +133,9 @@ ffi::Error AdamW(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingRe
   });
   double total = 0.0;
   for (float s : partial) total += s;
-  const float norm = static_cast<float>(std::sqrt(total));
+  // the sum rounded to float32 before the root, as XLA's norm is: a sum past float32's range is inf, and
+  // the step is skipped on both paths (a root taken in double was finite)
+  const float norm = std::sqrt(static_cast<float>(total));
   *(*norm_ret)->typed_data() = norm;
   for (const Leaf& leaf : leaves) {  // results not aliased to their operands (XLA copies): the operands first
     const size_t bytes = sizeof(float) * leaf.n;

@@ -94,7 +94,7 @@ def fused_problem(platform: str, devices: int, stored_dtypes: Any, host_state: b
         return f"runs on one device, here {devices}"
     low = sorted({str(jnp.dtype(dt)) for dt in jax.tree_util.tree_leaves(stored_dtypes)} - {"float32"})
     if low:
-        return f"float32 params and moments only, here {', '.join(low)}"
+        return f"float32 params and moments only, here {', '.join(low)} (optimizer.master_weights=false)"
     if host_state:
         return "the state lives in host memory (offload.optimizer or offload.params)"
     from jaxtrain.kernels import cpu_fused

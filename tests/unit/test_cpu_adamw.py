@@ -125,6 +125,23 @@ def test_a_non_finite_loss_or_gradient_changes_nothing(loss, bad_grad):
         np.testing.assert_array_equal(b, a)
 
 
+def test_gradients_whose_squares_overflow_float32_only_in_total_are_skipped_as_xla_skips_them():
+    """Each leaf's sum of squares is finite (2.5e38), their total is not: XLA's float32 norm is inf and the
+    step is skipped; so is the kernel's (its sums in double are rounded to float32 first). Found by a new
+    user's attempts: the kernel had applied a clipped update with a norm of 2.2e19."""
+    h = hyper(1.0)
+    params = {"a": jnp.ones((4,), jnp.float32), "b": jnp.ones((4,), jnp.float32)}
+    axes = {"a": ("embed",), "b": ("embed",)}
+    state = opt.optimizer(h, axes).init(params)
+    grads = {k: jnp.full((4,), 7.9e18, jnp.float32) for k in params}  # 4 x 7.9e18^2 = 2.5e38 a leaf
+    count = jnp.int32(0)
+    got = cpu_adamw.guarded_update(h, opt.decay_mask(axes), count, jnp.float32(1.0), grads, params, state,
+                                   opt.learning_rate(h, count))
+    assert np.isinf(optax.tree.norm(grads)) and np.isinf(got[2]) and not bool(got[3])
+    assert int(opt.applied_count(got[1])) == 0
+    np.testing.assert_array_equal(got[0]["a"], params["a"])
+
+
 def test_operands_not_donated_stay_as_they_were_and_give_the_same_result():
     """Outside a donating jit, XLA gives the results their own buffers: the kernel copies in first."""
     h = hyper(1e9)
@@ -157,7 +174,7 @@ def test_implementation_auto_takes_it_on_one_float32_cpu_device_and_cpu_fused_el
     problems = {opt.fused_problem("gpu", 1, {"w": jnp.float32}, False): "an XLA:CPU kernel; the backend is 'gpu'",
                 opt.fused_problem("cpu", 8, {"w": jnp.float32}, False): "runs on one device, here 8",
                 opt.fused_problem("cpu", 1, {"w": jnp.bfloat16}, False):
-                    "float32 params and moments only, here bfloat16",
+                    "float32 params and moments only, here bfloat16 (optimizer.master_weights=false)",
                 opt.fused_problem("cpu", 1, {"w": jnp.float32}, True):
                     "the state lives in host memory (offload.optimizer or offload.params)"}
     for got, want in problems.items():
@@ -183,7 +200,7 @@ def test_the_train_step_calls_it_once_under_auto_and_not_under_xla(small_cfg):
     with pytest.raises(ConfigError) as err:  # what it does not (the state's dtypes): by the step's
         text("optimizer.implementation=cpu_fused", "model.param_dtype=bfloat16", "optimizer.master_weights=false")
     assert str(err.value) == ("optimizer.implementation=cpu_fused cannot run here: float32 params and moments only, "
-                              "here bfloat16 (use auto or xla)")
+                              "here bfloat16 (optimizer.master_weights=false) (use auto or xla)")
 
 
 KEY = "optimizer.implementation: cpu_fused"

@@ -66,6 +66,22 @@ def saved_device_micro_batch(run_dir: Path) -> Optional[int]:
     return value if isinstance(value, int) and value > 0 else None
 
 
+def may_resume(cfg: Config) -> bool:
+    """Whether this run may resume a checkpoint, so that an earlier run's recorded micro-batch applies:
+    checkpoints on, and a local checkpoint directory holding anything (a remote one, ``gs://`` or
+    ``s3://``, is not listed here: assumed to). Without that a run starts at step 0 and its own micro-batch
+    is the one to keep (a reused run directory's config.yaml had made a fresh run an elastic resume)."""
+    if not cfg.checkpoint.enabled:
+        return False
+    where = cfg.checkpoint.dir or str(Path(cfg.run.dir).expanduser() / "checkpoints")
+    if "://" in where:
+        return True
+    try:
+        return any(Path(where).expanduser().iterdir())
+    except OSError:  # none yet (or unreadable: the checkpointer names that)
+        return False
+
+
 def _from_process_0(name: str, fn):
     """``fn()`` on process 0, its (JSON) result given to every process: the run directory may be on
     process 0's disk alone, and every process must build the same step."""
@@ -100,7 +116,8 @@ def adapt(cfg: Config, devices: Optional[Sequence] = None, out=None) -> Config:
     sizes = resolve_sizes(cfg.mesh, len(devices) if devices is not None else jax.device_count())
     n = batch_devices(sizes)
     per_device = cfg.distributed.device_micro_batch or _from_process_0(
-        "device_micro_batch", lambda: saved_device_micro_batch(Path(cfg.run.dir).expanduser()))
+        "device_micro_batch",
+        lambda: saved_device_micro_batch(Path(cfg.run.dir).expanduser()) if may_resume(cfg) else None)
     if per_device is None:  # the first run: its own micro-batch per device, if whole
         if cfg.micro_batch % n:
             return cfg

@@ -28,8 +28,24 @@ def _cfg(tmp_path, *overrides):
     return cfglib.load(None, [f"run.dir={tmp_path}", "train.global_batch=16", "mesh.data=-1", *overrides])
 
 
-def _saved(tmp_path, **distributed):
+def _saved(tmp_path, checkpoint=True, **distributed):
+    """An earlier run's config.yaml in run.dir, and (``checkpoint``) something in its checkpoint directory."""
     (tmp_path / "config.yaml").write_text(yaml.safe_dump({"distributed": distributed, "train": {"grad_accum": 1}}))
+    if checkpoint:
+        (tmp_path / "checkpoints" / "100").mkdir(parents=True)
+
+
+def test_a_fresh_run_in_a_reused_run_dir_keeps_its_own_micro_batch(tmp_path):
+    """Nothing to resume (no checkpoint, or checkpoints off): the earlier run's recorded micro-batch does
+    not apply; a new global batch is not an elastic resume's error (found by a new user's attempts)."""
+    _saved(tmp_path, checkpoint=False, device_micro_batch=12)
+    for overrides in ([], ["checkpoint.enabled=false"]):
+        cfg = elastic.adapt(_cfg(tmp_path, *overrides), [None] * 2)
+        assert (cfg.train.grad_accum, cfg.distributed.device_micro_batch) == (1, 8)
+    (tmp_path / "checkpoints" / "100").mkdir(parents=True)
+    with pytest.raises(ConfigError, match="elastic resume: train.global_batch=16 is not a whole number"):
+        elastic.adapt(_cfg(tmp_path), [None] * 2)
+    assert elastic.adapt(_cfg(tmp_path, "checkpoint.enabled=false"), [None] * 2).train.grad_accum == 1
 
 
 def test_a_first_run_records_its_per_device_micro_batch(tmp_path):

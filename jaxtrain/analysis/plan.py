@@ -297,6 +297,10 @@ def _plan(args: argparse.Namespace) -> int:
         rule_sets = list(dict.fromkeys(r.strip() for r in args.rules.split(",") if r.strip()))  # once each
         if not rule_sets:
             raise ConfigError("--rules: no rule set named (e.g. --rules dp,fsdp)")
+    for flag in ("intra_node_gbps", "inter_node_gbps", "device_tflops", "host_gbps"):  # the cost model divides by them
+        value = getattr(args, flag)
+        if not math.isfinite(value) or value <= 0:
+            raise ConfigError(f"--{flag.replace('_', '-')}: a rate must be a positive number, got {value}")
     cfg = load(args.config, args.overrides)
     use_cpu_devices(args.devices)
     enable_compilation_cache()  # on over CPU devices too: a plan compiles and never runs what it compiled

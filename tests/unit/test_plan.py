@@ -130,6 +130,9 @@ def test_plan_rejects_with_the_named_error_before_compiling():
 def test_plan_cli(capsys):
     assert plan_cli.main(["--rules", "dp"]) == 2
     assert capsys.readouterr().err == "error: --devices: give the number of devices to plan for, e.g. --devices 8\n"
+    for flag, value in (("--host-gbps", "0"), ("--device-tflops", "-5"), ("--inter-node-gbps", "nan")):
+        assert plan_cli.main(["--devices", "2", flag, value, *SMALL]) == 2  # the cost model divides by each
+        assert capsys.readouterr().err == f"error: {flag}: a rate must be a positive number, got {float(value)}\n"
     # nothing compiled: every candidate's reason, then a named error and exit 2 (the config cannot run)
     assert plan_cli.main(["--devices", "2", "--rules", "dp", "model.vocab_size=256", *SMALL,
                       "train.global_batch=3"]) == 2

@@ -154,7 +154,7 @@ def choose(implementation: str, q, k, segment_ids=None, window=None, backend: Op
     else:
         why = fused_problem(q, k, segment_ids, window)
         choice, reason = ("cpu_fused", f"backend {backend}") if why is None else ("blockwise", why)
-    if once.first(_logged, (choice, reason)):
+    if once.decided(_logged, "model.attention", choice, reason):
         log.info("model.attention=auto -> %s (%s)", choice, reason)
     return choice
 

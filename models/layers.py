@@ -123,7 +123,7 @@ def matmul_choice(implementation: str, x: jax.Array, w: jax.Array) -> str:
                f"XLA's dots are as fast")
     choice, reason = ("xla", f"cpu_fused: {why}") if why else (
         "cpu_fused", f"backend cpu, one device, float32, products under {AUTO_MAX_FLOPS / 1e6:.0f} MFLOP")
-    if once.first(_logged, (choice, reason)):
+    if once.decided(_logged, "model.matmul", choice, reason):
         log.info("model.matmul=auto -> %s (%s)", choice, reason)
     return choice
 

@@ -1,13 +1,18 @@
-"""Saying a decision once per process (``model.attention``, ``model.matmul`` and
-``optimizer.implementation`` resolving ``auto``). The main thread and the precompile thread
-(``jaxtrain.train.precompile``) trace programs at the same time; with a check of the set and then an
-add in each, both logged the same line (seen on warm starts)."""
+"""What ``auto`` resolved to (``model.attention``, ``model.matmul``, ``optimizer.implementation``): each
+decision said once per process, and every one of a run kept for its run directory (``resolved.json``,
+written by the trainer).
+
+Once: the main thread and the precompile thread (``jaxtrain.train.precompile``) trace programs at the
+same time; with a check of the set and then an add in each, both logged the same line (seen on warm
+starts). So the check and the add are one step under a lock.
+"""
 from __future__ import annotations
 
 import threading
 from typing import Hashable
 
 _lock = threading.Lock()
+_decided: dict[str, dict[str, str]] = {}  # key -> {choice: reason}, in the order first met
 
 
 def first(seen: set, item: Hashable) -> bool:
@@ -17,3 +22,33 @@ def first(seen: set, item: Hashable) -> bool:
             return False
         seen.add(item)
         return True
+
+
+def decided(seen: set, key: str, choice: str, reason: str) -> bool:
+    """Records that ``key`` (e.g. 'model.matmul') resolved to ``choice`` because of ``reason`` (one key may
+    resolve to several: the matmul per product); True the first time this process meets the pair (log it)."""
+    with _lock:
+        _decided.setdefault(key, {}).setdefault(choice, reason)
+    return first(seen, (choice, reason))
+
+
+def decisions() -> dict[str, dict[str, str]]:
+    """The decisions recorded since :func:`forget` (``{key: {choice: reason}}``)."""
+    with _lock:
+        return {key: dict(choices) for key, choices in _decided.items()}
+
+
+def merge(decisions: dict) -> None:
+    """Adds decisions recorded by another process (a program loaded from jaxtrain's program cache was
+    traced there, not here); anything malformed is skipped."""
+    with _lock:
+        for key, choices in (decisions.items() if isinstance(decisions, dict) else ()):
+            for choice, reason in (choices.items() if isinstance(choices, dict) else ()):
+                if isinstance(key, str) and isinstance(choice, str) and isinstance(reason, str):
+                    _decided.setdefault(key, {}).setdefault(choice, reason)
+
+
+def forget() -> None:
+    """Starts a new run's record (what the process logged stays logged)."""
+    with _lock:
+        _decided.clear()

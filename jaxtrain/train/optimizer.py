@@ -116,7 +116,7 @@ def implementation(choice: str, problem: Optional[str]) -> str:
         return "cpu_fused"
     resolved, reason = ("xla", f"cpu_fused: {problem}") if problem else (
         "cpu_fused", "backend cpu, one device, float32 state")
-    if once.first(_logged, (resolved, reason)):
+    if once.decided(_logged, "optimizer.implementation", resolved, reason):
         log.info("optimizer.implementation=auto -> %s (%s)", resolved, reason)
     return resolved
 

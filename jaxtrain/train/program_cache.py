@@ -40,6 +40,7 @@ from typing import Any, Callable, Optional
 import jax
 
 from jaxtrain.errors import JaxtrainError
+from jaxtrain.runtime import once
 from jaxtrain.runtime.env import cache_folder_usable, switch
 
 log = logging.getLogger("jaxtrain")
@@ -380,7 +381,8 @@ def _store(entry: Path, name: str, exp: Any, out: Any, refs: dict, lines: list) 
     leaves the run as it was."""
     try:
         entry.mkdir(parents=True, exist_ok=True)
-        meta = json.dumps({"format": FORMAT, "out": _encode(out, refs), "log": lines})
+        meta = json.dumps({"format": FORMAT, "out": _encode(out, refs), "log": lines,
+                           "resolved": once.decisions()})  # what auto resolved to while it was traced
         for suffix, data in ((".jaxexp", bytes(exp.serialize())), (".json", meta.encode())):
             tmp = entry / f".{name}{suffix}.{os.getpid()}"
             tmp.write_bytes(data)
@@ -416,6 +418,7 @@ def _load(entry: Path, name: str, leaves: list, refs: dict):
             return None, None
     os.utime(entry)  # recently used: kept by _prune
     _say(meta.get("log", []))
+    once.merge(meta.get("resolved", {}))  # for the run directory's resolved.json
     return exp, out
 
 

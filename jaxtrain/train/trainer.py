@@ -6,6 +6,8 @@ optimizer, step, RNG and data position.
 """
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -22,7 +24,7 @@ from jaxtrain.metrics.profile import StepProfiler
 from jaxtrain.metrics.sinks import Sinks
 from jaxtrain.parallel import host_data
 from jaxtrain.parallel.mesh import describe, nodes_along
-from jaxtrain.runtime import heartbeat, host_memory, signals
+from jaxtrain.runtime import heartbeat, host_memory, once, signals
 from jaxtrain.runtime.watchdog import Watchdog
 from jaxtrain.train import elastic, program_cache, rundir
 from jaxtrain.train import hooks as H
@@ -31,6 +33,8 @@ from jaxtrain.train.loop import Hook, RunResult, TrainLoop
 from jaxtrain.train.model_spec import ModelSpec
 from jaxtrain.train.precompile import Precompile
 from jaxtrain.train.step import count_params
+
+log = logging.getLogger("jaxtrain")
 
 
 def fit(cfg: Config, model_spec: Optional[ModelSpec] = None, data: Any = None, *,
@@ -58,6 +62,7 @@ def fit(cfg: Config, model_spec: Optional[ModelSpec] = None, data: Any = None, *
         host_memory.reuse_freed_memory()
     out = Reporter(quiet=quiet or not cfg.run.progress, total=cfg.train.steps, silent=not primary)
     cfg = elastic.adapt(cfg, devices, out)  # resumed on other devices: the same batches (distributed.elastic)
+    once.forget()  # what auto resolves to while this run traces: its run directory's resolved.json
     with out.status("checking the config, loading the data"):
         s = setup(cfg, devices, model_spec=model_spec, data=data, load_data=True,
                   run_dir=Path(cfg.run.dir).expanduser())
@@ -128,7 +133,20 @@ def _fit(s: Setup, run_dir: Path, out: Reporter, extra: Sequence[Hook]) -> RunRe
         if precompiled is not None:
             precompiled.cancel()
         sinks.close()
+        if primary:
+            _write_resolved(run_dir)
     return result
+
+
+def _write_resolved(run_dir: Path) -> None:
+    """``resolved.json``: what each ``auto`` setting resolved to while this run traced its programs, and why
+    (``{key: {choice: reason}}``); none when nothing was traced here (programs from the program cache)."""
+    decisions = once.decisions()
+    if decisions:
+        try:
+            (run_dir / "resolved.json").write_text(json.dumps(decisions, indent=2) + "\n")
+        except OSError as err:  # the run's own outputs are written; this one is a description
+            log.warning("could not write %s: %s", run_dir / "resolved.json", err)
 
 
 def builtin_hooks(s: Setup, ckpt: Optional[Checkpointer], peak: Optional[float], run_dir: Path) -> list[Hook]:

@@ -19,3 +19,16 @@ def test_only_the_first_of_many_threads_adding_an_item_is_told_so():
             t.join()
         assert sorted(firsts) == [False] * 7 + [True] and seen == {("cpu_fused", "backend cpu")}
     assert once.first(seen, ("xla", "another reason")) and not once.first(seen, ("xla", "another reason"))
+
+
+def test_a_runs_decisions_are_kept_for_its_run_directory_and_merged_from_a_loaded_program():
+    once.forget()
+    seen: set = set()
+    assert once.decided(seen, "model.matmul", "cpu_fused", "small") and not once.decided(seen, "model.matmul",
+                                                                                          "cpu_fused", "small")
+    assert not once.decided({("xla", "large")}, "model.matmul", "xla", "large")  # logged before; still kept
+    once.merge({"model.attention": {"cpu_fused": "backend cpu"}, "bad": ["not", "a", "dict"], 3: {"x": "y"}})
+    assert once.decisions() == {"model.matmul": {"cpu_fused": "small", "xla": "large"},
+                                "model.attention": {"cpu_fused": "backend cpu"}}
+    once.forget()
+    assert once.decisions() == {}

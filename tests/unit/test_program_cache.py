@@ -116,6 +116,7 @@ def test_a_loaded_program_says_the_lines_its_tracing_printed(small_cfg, cache, m
     import logging
 
     from jaxtrain.models import attention
+    from jaxtrain.runtime import once
     said = "model.attention=auto -> cpu_fused (backend cpu)"
     lines: list = []
     handler = logging.Handler()
@@ -124,20 +125,32 @@ def test_a_loaded_program_says_the_lines_its_tracing_printed(small_cfg, cache, m
     monkeypatch.setattr(log, "handlers", [handler])
     level = log.level
     log.setLevel(logging.INFO)  # (setLevel, not the attribute: it clears the loggers' cached levels)
+    class Said(set):  # the matmul's and the update's lines: said already (alone, this test met them first)
+        def __contains__(self, item):
+            return True
+
+    from jaxtrain.models import layers
+    from jaxtrain.train import optimizer
+    monkeypatch.setattr(layers, "_logged", Said())
+    monkeypatch.setattr(optimizer, "_logged", Said())
     try:
         monkeypatch.setattr(attention, "_logged", set())  # as in a new process
         monkeypatch.setattr(program_cache, "_said", set())
+        once.forget()  # as a run's start does
         jax.clear_caches()  # the blocks' traces of earlier tests would be reused: attention not traced again
         s = _setup(small_cfg)
         assert _evaluation(s, 2).loaded is False
         assert lines == [said]
         meta = json.loads((cache / s._program_key / "evaluate.json").read_text())
         assert meta["log"] == [[logging.INFO, said]]
+        assert meta["resolved"]["model.attention"] == {"cpu_fused": "backend cpu"}  # for the run's resolved.json
         lines.clear()
         monkeypatch.setattr(attention, "_logged", set())  # the next run: a new process
         monkeypatch.setattr(program_cache, "_said", set())
+        once.forget()
         assert _evaluation(s, 2).loaded is True and _evaluation(s, 2).loaded is True
         assert lines == [said]
+        assert once.decisions()["model.attention"] == {"cpu_fused": "backend cpu"}
     finally:
         log.setLevel(level)
 

@@ -1,4 +1,5 @@
 """End-to-end training: sharded == unsharded, resume == uninterrupted, grad accumulation, default job."""
+import json
 import shutil
 
 import jax
@@ -135,6 +136,11 @@ def test_default_main_job(tmp_path, capsys):
     assert not [p for p in (run_dir / "checkpoints").iterdir() if "tmp" in p.name]
     for name in ("config.yaml", "versions.json", "metrics.jsonl", "tokenizer.json"):
         assert (run_dir / name).is_file(), name
+    # what auto resolved to, and why: on the tests' 8 simulated devices, XLA's update, matmuls and blockwise
+    resolved = json.loads((run_dir / "resolved.json").read_text())
+    assert {k: sorted(v) for k, v in resolved.items()} == {
+        "optimizer.implementation": ["xla"], "model.matmul": ["xla"], "model.attention": ["blockwise"]}
+    assert resolved["optimizer.implementation"]["xla"] == "cpu_fused: runs on one device, here 8"
 
 
 def test_a_launch_that_trains_nothing_leaves_config_yaml_as_it_was(small_cfg, capsys):

@@ -12,7 +12,7 @@ import threading
 from typing import Hashable
 
 _lock = threading.Lock()
-_decided: dict[str, dict[str, str]] = {}  # key -> {choice: reason}, in the order first met
+_decided: dict[str, dict[str, list[str]]] = {}  # key -> {choice: [reasons]}, in the order first met
 
 
 def first(seen: set, item: Hashable) -> bool:
@@ -27,25 +27,33 @@ def first(seen: set, item: Hashable) -> bool:
 def decided(seen: set, key: str, choice: str, reason: str) -> bool:
     """Records that ``key`` (e.g. 'model.matmul') resolved to ``choice`` because of ``reason`` (one key may
     resolve to several: the matmul per product); True the first time this process meets the pair (log it)."""
-    with _lock:
-        _decided.setdefault(key, {}).setdefault(choice, reason)
+    _record(key, choice, reason)
     return first(seen, (choice, reason))
 
 
-def decisions() -> dict[str, dict[str, str]]:
-    """The decisions recorded since :func:`forget` (``{key: {choice: reason}}``)."""
+def _record(key: str, choice: str, reason: str) -> None:
     with _lock:
-        return {key: dict(choices) for key, choices in _decided.items()}
+        reasons = _decided.setdefault(key, {}).setdefault(choice, [])
+        if reason not in reasons:
+            reasons.append(reason)
+
+
+def decisions() -> dict[str, dict[str, list[str]]]:
+    """The decisions recorded since :func:`forget`: ``{key: {choice: [reasons]}}`` (the matmul, say, can
+    resolve to one choice for several reasons, one per product size)."""
+    with _lock:
+        return {key: {choice: list(reasons) for choice, reasons in choices.items()}
+                for key, choices in _decided.items()}
 
 
 def merge(decisions: dict) -> None:
     """Adds decisions recorded by another process (a program loaded from jaxtrain's program cache was
     traced there, not here); anything malformed is skipped."""
-    with _lock:
-        for key, choices in (decisions.items() if isinstance(decisions, dict) else ()):
-            for choice, reason in (choices.items() if isinstance(choices, dict) else ()):
+    for key, choices in (decisions.items() if isinstance(decisions, dict) else ()):
+        for choice, reasons in (choices.items() if isinstance(choices, dict) else ()):
+            for reason in (reasons if isinstance(reasons, list) else ()):
                 if isinstance(key, str) and isinstance(choice, str) and isinstance(reason, str):
-                    _decided.setdefault(key, {}).setdefault(choice, reason)
+                    _record(key, choice, reason)
 
 
 def forget() -> None:

@@ -70,14 +70,15 @@ def may_resume(cfg: Config) -> bool:
     """Whether this run may resume a checkpoint, so that an earlier run's recorded micro-batch applies:
     checkpoints on, and a local checkpoint directory holding anything (a remote one, ``gs://`` or
     ``s3://``, is not listed here: assumed to). Without that a run starts at step 0 and its own micro-batch
-    is the one to keep (a reused run directory's config.yaml had made a fresh run an elastic resume)."""
+    is the one to keep (a reused run directory's config.yaml had made a fresh run an elastic resume). Only a
+    step's directory (its name a number) counts: a save's unfinished temporary one does not."""
     if not cfg.checkpoint.enabled:
         return False
     where = cfg.checkpoint.dir or str(Path(cfg.run.dir).expanduser() / "checkpoints")
     if "://" in where:
         return True
     try:
-        return any(Path(where).expanduser().iterdir())
+        return any(p.name.isdigit() for p in Path(where).expanduser().iterdir())
     except OSError:  # none yet (or unreadable: the checkpointer names that)
         return False
 

@@ -82,6 +82,7 @@ def _fit(s: Setup, run_dir: Path, out: Reporter, extra: Sequence[Hook]) -> RunRe
     result = RunResult(run_dir=run_dir)
     loop: Optional[TrainLoop] = None
     precompiled: Optional[Precompile] = None
+    resolved = False  # resolved.json to write: this launch wrote config.yaml
 
     def on_checkpoint(row: dict) -> None:  # committed or failed saves, reported by the checkpointer
         loop.write(row.pop("step"), row)
@@ -104,6 +105,7 @@ def _fit(s: Setup, run_dir: Path, out: Reporter, extra: Sequence[Hook]) -> RunRe
         kept = nothing and (run_dir / "config.yaml").is_file()
         if primary and not kept:
             rundir.write_config_file(cfg, run_dir)
+            resolved = True  # and, at the end, what auto resolved to while this launch traced its steps
         sinks.drop_after(start)
         if nothing:
             out.info(f"checkpoint step {start} >= train.steps={cfg.train.steps}: nothing to train "
@@ -133,20 +135,20 @@ def _fit(s: Setup, run_dir: Path, out: Reporter, extra: Sequence[Hook]) -> RunRe
         if precompiled is not None:
             precompiled.cancel()
         sinks.close()
-        if primary:
+        if resolved:
             _write_resolved(run_dir)
     return result
 
 
 def _write_resolved(run_dir: Path) -> None:
-    """``resolved.json``: what each ``auto`` setting resolved to while this run traced its programs, and why
-    (``{key: {choice: reason}}``); none when nothing was traced here (programs from the program cache)."""
-    decisions = once.decisions()
-    if decisions:
-        try:
-            (run_dir / "resolved.json").write_text(json.dumps(decisions, indent=2) + "\n")
-        except OSError as err:  # the run's own outputs are written; this one is a description
-            log.warning("could not write %s: %s", run_dir / "resolved.json", err)
+    """``resolved.json``: what each ``auto`` setting resolved to while this launch traced (or loaded from
+    the program cache) its programs, and why: ``{key: {choice: [reasons]}}``, ``{}`` when every setting
+    was explicit. Written where config.yaml was (a launch that trains nothing or fails to resume leaves
+    both as they were)."""
+    try:
+        (run_dir / "resolved.json").write_text(json.dumps(once.decisions(), indent=2) + "\n")
+    except OSError as err:  # the run's own outputs are written; this one is a description
+        log.warning("could not write %s: %s", run_dir / "resolved.json", err)
 
 
 def builtin_hooks(s: Setup, ckpt: Optional[Checkpointer], peak: Optional[float], run_dir: Path) -> list[Hook]:

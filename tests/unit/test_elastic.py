@@ -42,6 +42,8 @@ def test_a_fresh_run_in_a_reused_run_dir_keeps_its_own_micro_batch(tmp_path):
     for overrides in ([], ["checkpoint.enabled=false"]):
         cfg = elastic.adapt(_cfg(tmp_path, *overrides), [None] * 2)
         assert (cfg.train.grad_accum, cfg.distributed.device_micro_batch) == (1, 8)
+    (tmp_path / "checkpoints" / "3.orbax-checkpoint-tmp-1733").mkdir(parents=True)  # a save's leftover: fresh
+    assert elastic.adapt(_cfg(tmp_path), [None] * 2).distributed.device_micro_batch == 8
     (tmp_path / "checkpoints" / "100").mkdir(parents=True)
     with pytest.raises(ConfigError, match="elastic resume: train.global_batch=16 is not a whole number"):
         elastic.adapt(_cfg(tmp_path), [None] * 2)

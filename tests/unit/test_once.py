@@ -27,8 +27,10 @@ def test_a_runs_decisions_are_kept_for_its_run_directory_and_merged_from_a_loade
     assert once.decided(seen, "model.matmul", "cpu_fused", "small") and not once.decided(seen, "model.matmul",
                                                                                           "cpu_fused", "small")
     assert not once.decided({("xla", "large")}, "model.matmul", "xla", "large")  # logged before; still kept
-    once.merge({"model.attention": {"cpu_fused": "backend cpu"}, "bad": ["not", "a", "dict"], 3: {"x": "y"}})
-    assert once.decisions() == {"model.matmul": {"cpu_fused": "small", "xla": "large"},
-                                "model.attention": {"cpu_fused": "backend cpu"}}
+    once.decided(seen, "model.matmul", "xla", "larger")  # one choice, another reason: both kept
+    once.merge({"model.attention": {"cpu_fused": ["backend cpu"]}, "model.matmul": {"xla": ["large"]},
+                "bad": ["not", "a", "dict"], 3: {"x": ["y"]}, "also bad": {"x": "not a list"}})
+    assert once.decisions() == {"model.matmul": {"cpu_fused": ["small"], "xla": ["large", "larger"]},
+                                "model.attention": {"cpu_fused": ["backend cpu"]}}
     once.forget()
     assert once.decisions() == {}

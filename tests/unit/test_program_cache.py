@@ -143,14 +143,14 @@ def test_a_loaded_program_says_the_lines_its_tracing_printed(small_cfg, cache, m
         assert lines == [said]
         meta = json.loads((cache / s._program_key / "evaluate.json").read_text())
         assert meta["log"] == [[logging.INFO, said]]
-        assert meta["resolved"]["model.attention"] == {"cpu_fused": "backend cpu"}  # for the run's resolved.json
+        assert meta["resolved"]["model.attention"] == {"cpu_fused": ["backend cpu"]}  # for the run's resolved.json
         lines.clear()
         monkeypatch.setattr(attention, "_logged", set())  # the next run: a new process
         monkeypatch.setattr(program_cache, "_said", set())
         once.forget()
         assert _evaluation(s, 2).loaded is True and _evaluation(s, 2).loaded is True
         assert lines == [said]
-        assert once.decisions()["model.attention"] == {"cpu_fused": "backend cpu"}
+        assert once.decisions()["model.attention"] == {"cpu_fused": ["backend cpu"]}
     finally:
         log.setLevel(level)
 

@@ -140,16 +140,27 @@ def test_default_main_job(tmp_path, capsys):
     resolved = json.loads((run_dir / "resolved.json").read_text())
     assert {k: sorted(v) for k, v in resolved.items()} == {
         "optimizer.implementation": ["xla"], "model.matmul": ["xla"], "model.attention": ["blockwise"]}
-    assert resolved["optimizer.implementation"]["xla"] == "cpu_fused: runs on one device, here 8"
+    assert resolved["optimizer.implementation"]["xla"] == ["cpu_fused: runs on one device, here 8"]
+
+
+def test_every_explicit_setting_writes_an_empty_resolved_json_over_an_earlier_launchs(small_cfg):
+    run = fit(small_cfg("train.steps=1", "checkpoint.enabled=false", run_dir="r"), quiet=True).run_dir
+    assert json.loads((run / "resolved.json").read_text())["model.attention"]  # auto's choice
+    fit(small_cfg("train.steps=1", "checkpoint.enabled=false", "model.attention=xla", "model.matmul=xla",
+                  "optimizer.implementation=xla", run_dir="r"), quiet=True)
+    assert json.loads((run / "resolved.json").read_text()) == {}
 
 
 def test_a_launch_that_trains_nothing_leaves_config_yaml_as_it_was(small_cfg, capsys):
     """config.yaml says what the run's steps were trained with: a relaunch already at train.steps (here with
     another learning rate) evaluates but trains nothing, so it does not rewrite it."""
     done = fit(small_cfg("train.steps=2", "checkpoint.every=2", run_dir="done"), quiet=True)
-    before = (done.run_dir / "config.yaml").read_bytes()
+    before = [(done.run_dir / name).read_bytes() for name in ("config.yaml", "resolved.json")]
     capsys.readouterr()
-    again = fit(small_cfg("train.steps=2", "checkpoint.every=2", "optimizer.lr=0.5", run_dir="done"))
-    assert again.start_step == 2 and (done.run_dir / "config.yaml").read_bytes() == before
+    # (another attention too: resolved.json, what auto resolved to for those steps, is left as well)
+    again = fit(small_cfg("train.steps=2", "checkpoint.every=2", "optimizer.lr=0.5", "model.attention=xla",
+                          run_dir="done"))
+    assert again.start_step == 2
+    assert [(done.run_dir / name).read_bytes() for name in ("config.yaml", "resolved.json")] == before
     assert ("checkpoint step 2 >= train.steps=2: nothing to train (raise train.steps to continue); config.yaml is "
             "left as it was") in " ".join(capsys.readouterr().out.split())

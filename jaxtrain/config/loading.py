@@ -53,10 +53,20 @@ def _check_keys(tree: Any, model_cls: type[BaseModel], prefix: str = "") -> None
             _check_keys(value, sub, dotted + ".")
 
 
+def _section(annotation: Any) -> Any:
+    """``Optional[Section]`` -> ``Section`` (e.g. ``model.rope_scaling``), so that its keys are typed too."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if (typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1
+            and isinstance(args[0], type) and issubclass(args[0], BaseModel)):
+        return args[0]
+    return annotation
+
+
 def _annotation(path: list[str], family: str = DEFAULT_FAMILY) -> Any:
     """The schema annotation of a dotted path (``model.*`` in ``family``'s schema), or None."""
     cls: Any = Config
     for part in path:
+        cls = _section(cls)
         if cls is ModelConfig:
             cls = family_config(family)
         if not (isinstance(cls, type) and issubclass(cls, BaseModel)) or part not in cls.model_fields:
@@ -74,11 +84,25 @@ def _is_string_field(annotation: Any) -> bool:
     return typing.get_origin(annotation) in (typing.Union, types.UnionType) and str in args  # Optional[str]
 
 
+def _quoted(raw: str) -> str:
+    """A string field's text: a whole quoted YAML string (``"a\\tb"``, ``'it''s'``) as YAML reads it,
+    escapes included; anything else as written."""
+    if len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "\"'":
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            return raw
+        if isinstance(value, str):
+            return value
+    return raw
+
+
 def parse_override(item: str, family: str = DEFAULT_FAMILY) -> tuple[list[str], Any]:
     """``'train.steps=10'`` -> (['train', 'steps'], 10).
 
     Values are parsed as YAML scalars, except for string fields, which take the
-    text as written (``data.path=2024`` stays '2024'; ``null`` still means None).
+    text as written (``data.path=2024`` stays '2024'; ``null`` still means None), unless it is a
+    quoted YAML string: ``data.separator="\\n\\n"`` is two newlines, as in a YAML file.
     ``model.*`` keys are typed by the schema of ``family``.
     """
     if "=" not in item:
@@ -89,7 +113,7 @@ def parse_override(item: str, family: str = DEFAULT_FAMILY) -> tuple[list[str], 
     path = key.split(".")
     annotation = str if path == ["model", "family"] else _annotation(path, family)
     if _is_string_field(annotation) and raw not in ("null", "~"):
-        return path, raw
+        return path, _quoted(raw)
     try:
         value = yaml.load(raw, Loader=UniqueKeyLoader) if raw != "" else ""
     except yaml.YAMLError as err:  # not YAML: the text itself (a string field's type check names it)

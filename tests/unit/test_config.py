@@ -141,6 +141,8 @@ def test_cli_positional_config_file():
     ("run.dir=", "run.dir: must not be empty"),
     ("train.steps=true", "train.steps: Input should be a valid integer (got True)"),
     ("train.steps=2.5", "train.steps: Input should be a valid integer (got 2.5)"),
+    # a key inside an optional section is typed like any other (it was left a string: pydantic's message)
+    ("model.rope_scaling.factor=nan", "model.rope_scaling.factor: must be a finite number > 0, got nan"),
 ])
 def test_bad_values_are_named(override, message):
     with pytest.raises(ConfigError) as e:
@@ -151,6 +153,14 @@ def test_bad_values_are_named(override, message):
 def test_string_fields_keep_override_text():
     cfg = cfglib.load(None, ["data.path=2024", "train.sample_prompt=123", "optimizer.decay_steps=null"])
     assert cfg.data.path == "2024" and cfg.train.sample_prompt == "123" and cfg.optimizer.decay_steps is None
+
+
+def test_a_quoted_string_override_is_read_as_yaml_reads_it():
+    """'data.separator="\\n\\n"' is two newlines, as in a YAML file (it was the six characters, quotes kept);
+    text that is not one whole quoted string is kept as written."""
+    cfg = cfglib.load(None, ['data.separator="\\n\\n"', "train.sample_prompt='it''s'", 'data.path="x',
+                             "run.dir=a'b'"])
+    assert (cfg.data.separator, cfg.train.sample_prompt, cfg.data.path, cfg.run.dir) == ("\n\n", "it's", '"x', "a'b'")
 
 
 @pytest.mark.parametrize("text, expected", [

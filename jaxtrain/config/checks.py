@@ -194,21 +194,18 @@ def check_against_mesh(cfg: "Config", axis_sizes: dict[str, int], platform: Opti
 
 
 def check_fused_update(cfg: "Config", axis_sizes: dict[str, int], platform: Optional[str]) -> None:
-    """What ``optimizer.implementation=cpu_fused`` needs that the config shows (the step's own check,
-    ``jaxtrain.train.optimizer.fused_problem``, also sees the state's dtypes and whether the kernel built).
+    """What ``optimizer.implementation=cpu_fused`` needs that the config shows, with the step's own words
+    (``jaxtrain.kernels.cpu_adamw.placement_problem``; the step also sees the state's dtypes and whether the
+    kernel built).
 
     Raises:
       ConfigError: naming the key to change.
     """
-    key = "optimizer.implementation: cpu_fused"
-    if platform and platform != "cpu":
-        raise ConfigError(f"{key} is an XLA:CPU kernel; the backend is '{platform}' (use auto or xla)")
-    devices = math.prod(axis_sizes.values())
-    if devices > 1:
-        raise ConfigError(f"{key} runs on one device; the mesh has {devices} (use auto or xla)")
-    if cfg.offload.optimizer == "host" or cfg.offload.params == "host":
-        raise ConfigError(f"{key} updates state in device memory; offload.optimizer or offload.params puts it in "
-                          f"host memory (use auto or xla)")
+    from jaxtrain.kernels.cpu_adamw import placement_problem
+    why = placement_problem(platform or "cpu", math.prod(axis_sizes.values()),
+                            cfg.offload.optimizer == "host" or cfg.offload.params == "host")
+    if why:
+        raise ConfigError(f"optimizer.implementation=cpu_fused cannot run here: {why} (use auto or xla)")
 
 
 def check_pipeline_against_mesh(cfg: "Config", axis_sizes: dict[str, int]) -> None:

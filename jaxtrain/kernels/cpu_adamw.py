@@ -9,13 +9,14 @@ a reduction per gradient: ~100 small thunks, ~1 ms of the ~20 ms shakespeare-cha
 Intel Xeon. The kernel makes two passes (the norm, then the update) over chunks of every leaf on both
 threads, in place (its results alias the donated state).
 
-Its params and moments are optax's bit for bit (``jaxtrain.train.optimizer.optimizer`` with the norm
-given); the norm itself differs from ``optax.tree.norm`` by float rounding (its sums run in another
-order). The optimizer state keeps optax's structure, so checkpoints do not depend on the choice.
+Given the same norm, its params and moments are optax's (``jaxtrain.train.optimizer.optimizer``) bit
+for bit as the trainer compiles them (``cpu_adamw.cc`` says how); the norm itself differs from
+``optax.tree.norm`` by float rounding (its sums run in another order). The optimizer state keeps
+optax's structure, so checkpoints do not depend on the choice.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,19 @@ import optax
 from optax._src import numerics
 
 from jaxtrain.kernels import cpu_fused
+
+
+def placement_problem(platform: str, devices: int, host_state: bool) -> Optional[str]:
+    """Why the kernel cannot run where the config places the update, or None: another backend, more than
+    one device (its custom call is opaque to XLA's partitioner), or the state in host memory
+    (``offload.optimizer``, ``offload.params``). Shared by the config's check and the step's."""
+    if platform != "cpu":
+        return f"an XLA:CPU kernel; the backend is '{platform}'"
+    if devices > 1:
+        return f"runs on one device, here {devices}"
+    if host_state:
+        return "the state lives in host memory (offload.optimizer or offload.params)"
+    return None
 
 
 def _is_adam(x) -> bool:

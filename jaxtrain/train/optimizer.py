@@ -88,16 +88,13 @@ def fused_problem(platform: str, devices: int, stored_dtypes: Any, host_state: b
     """Why the XLA:CPU update kernel (:mod:`jaxtrain.kernels.cpu_adamw`) cannot run the step's update,
     or None. ``stored_dtypes``: the train state's params' pytree of dtypes (the moments follow them);
     ``host_state``: the optimizer state or params live in host memory (``offload.*``)."""
-    if platform != "cpu":
-        return f"an XLA:CPU kernel; the backend is '{platform}'"
-    if devices > 1:
-        return f"runs on one device, here {devices}"
+    from jaxtrain.kernels import cpu_adamw, cpu_fused
+    why = cpu_adamw.placement_problem(platform, devices, host_state)
+    if why:
+        return why
     low = sorted({str(jnp.dtype(dt)) for dt in jax.tree_util.tree_leaves(stored_dtypes)} - {"float32"})
     if low:
         return f"float32 params and moments only, here {', '.join(low)} (optimizer.master_weights=false)"
-    if host_state:
-        return "the state lives in host memory (offload.optimizer or offload.params)"
-    from jaxtrain.kernels import cpu_fused
     return cpu_fused.problem()
 
 

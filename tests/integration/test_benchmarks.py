@@ -18,12 +18,19 @@ def run_quick(script: str) -> str:
     return done.stdout
 
 
+def rounded_ratio(ratio: float, num: float, den: float, unit: float, ratio_unit: float = 0.01) -> bool:
+    """Whether ``ratio`` (printed to ``ratio_unit``) can be num/den of the unrounded values behind ``num`` and
+    ``den`` (each printed to ``unit``): a fixed tolerance failed on CI when a 2.3 s run's rounding alone was 2%."""
+    h, r = unit / 2, ratio_unit / 2
+    return (num - h) / (den + h) - r <= ratio <= (num + h) / (den - h) + r
+
+
 def test_loop_overhead_compares_the_trainers_logged_step_with_the_bare_step():
     out = run_quick("loop_overhead.py")
     ratio = re.search(r"the trainer's step is ([0-9.]+)x the bare step", out)
     trainer, bare = map(float, re.search(r"trainer ([0-9.]+) ms/step, bare step ([0-9.]+) ms", out).groups())
-    # (the times are printed to 0.1 ms, the ratio from the unrounded ones)
-    assert ratio and float(ratio.group(1)) == pytest.approx(trainer / bare, rel=0.01) and trainer > 0 and bare > 0
+    # (the times are printed to 0.1 ms, the ratio to 0.001 from the unrounded ones)
+    assert ratio and trainer > 0 and bare > 0 and rounded_ratio(float(ratio.group(1)), trainer, bare, 0.1, 0.001), out
 
 
 def test_vs_nanogpt_runs_the_real_nanogpt_and_jaxtrain():
@@ -34,8 +41,8 @@ def test_vs_nanogpt_runs_the_real_nanogpt_and_jaxtrain():
     assert m, out
     nano, ours, ratio, nano_ms, our_ms, steady = map(float, m.groups()[1:])
     assert m.group(1) and nano > 0 and ours > 0 and nano_ms > 0 and our_ms > 0  # the CPU model is named
-    assert ratio == pytest.approx(nano / ours, rel=0.03)  # times printed to 0.1 s
-    assert steady == pytest.approx(nano_ms / our_ms, rel=0.03)
+    assert rounded_ratio(ratio, nano, ours, 0.1), out  # seconds printed to 0.1 s
+    assert rounded_ratio(steady, nano_ms, our_ms, 0.1), out  # ms printed to 0.1 ms
     paired = re.search(r"paired rounds: whole ([0-9.]+)x, steady ([0-9.]+)x", out)  # one round: the same ratios
     assert paired and (float(paired.group(1)), float(paired.group(2))) == (
         pytest.approx(ratio, abs=0.011), pytest.approx(steady, abs=0.011)), out
@@ -50,4 +57,4 @@ def test_moe_kernels_prints_each_case_against_the_dense_swiglu():
                           "ragged_dot"], out
     dense = rows["dense 2-D"][0]
     for ms, ratio in rows.values():  # times printed to 0.01 ms, ratios to 0.01
-        assert ms > 0 and ratio == pytest.approx(ms / dense, abs=0.01 + 0.01 * ratio)
+        assert ms > 0 and rounded_ratio(ratio, ms, dense, 0.01), out

@@ -11,6 +11,8 @@ expert formulation below does the same useful work; each is timed as one jitted 
 backward (the gradient of sum(y^2) with respect to the tokens and the three weights):
 
   dense 2-D           the dense SwiGLU, [T, 128] x [128, 384]: the cost to match
+  dense cpu_fused     the same through jaxtrain's XLA:CPU kernels (``jaxtrain.kernels.cpu_mlp``), as the
+                      dense model's train step runs it on one CPU device (float32 only)
   per-expert 2-D      one 2-D SwiGLU per expert on its M/E copies (static slices): the best a
                       grouped GEMM could do with XLA:CPU's 2-D matmuls, and only possible when the
                       group sizes are known at compile time
@@ -22,6 +24,8 @@ backward (the gradient of sum(y^2) with respect to the tokens and the three weig
                       weights gathered (``jaxtrain.kernels.grouped_blocks``)
   ragged_dot          ``jax.lax.ragged_dot`` on the sorted copies, which XLA:CPU expands into
                       one masked dense matmul per expert (E x the FLOPs)
+  dropless cpu_fused  jaxtrain's XLA:CPU grouped kernels (``jaxtrain.kernels.cpu_grouped``): each
+                      expert's rows, no window wasted (float32 only)
 
 The cases alternate within each round; a case's figure is the median over rounds of its median
 time. Every expert formulation's gradients are checked against the per-expert 2-D ones (the
@@ -41,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from _bench import append_result_rows, commit, hardware
 
+from jaxtrain.kernels import cpu_fused, cpu_grouped, cpu_mlp
 from jaxtrain.kernels.grouped_blocks import blocked_swiglu
 from jaxtrain.kernels.grouped_cpu import windowed_swiglu
 
@@ -63,8 +68,14 @@ def balanced_routing(tokens: int, n_exp: int, k: int, seed: int = 0) -> np.ndarr
     return ((first[:, None] + np.arange(k)[None, :]) % n_exp).reshape(-1).astype(np.int32)
 
 
-def expert_cases(expert: np.ndarray, n_exp: int = N_EXP) -> dict[str, Callable]:
-    """name -> f(rows [M, D], wg [E, D, F], wu, wd [E, F, D]) -> [M, D] (each row through its expert)."""
+def kernels_apply(dtype: str) -> bool:
+    """Whether jaxtrain's XLA:CPU kernels take this case: float32 on a CPU backend, the kernels built."""
+    return dtype == "float32" and jax.default_backend() == "cpu" and cpu_fused.problem() is None
+
+
+def expert_cases(expert: np.ndarray, n_exp: int = N_EXP, kernels: bool = False) -> dict[str, Callable]:
+    """name -> f(rows [M, D], wg [E, D, F], wu, wd [E, F, D]) -> [M, D] (each row through its expert);
+    ``kernels``: with the XLA:CPU grouped kernels' case."""
     m = expert.shape[0]
     order = np.argsort(expert, kind="stable")  # static: the routing is fixed for the benchmark
     sizes = np.bincount(expert, minlength=n_exp)
@@ -93,9 +104,13 @@ def expert_cases(expert: np.ndarray, n_exp: int = N_EXP) -> dict[str, Callable]:
         h = jax.nn.silu(jax.lax.ragged_dot(xs, wg, group)) * jax.lax.ragged_dot(xs, wu, group)
         return jax.lax.ragged_dot(h, wd, group)[inverse]
 
+    def fused(rows, wg, wu, wd):
+        return cpu_grouped.grouped_swiglu(rows, jnp.asarray(expert), wg, wu, wd)
+
     assert sizes.min() == sizes.max() == m // n_exp, "the batched case needs balanced routing"
-    return {"per-expert 2-D": per_expert, "batched [E, M/E]": batched, "dropless windows": windows,
-            "dropless blocks": blocks, "ragged_dot": ragged}
+    cases = {"per-expert 2-D": per_expert, "batched [E, M/E]": batched, "dropless windows": windows,
+             "dropless blocks": blocks, "ragged_dot": ragged}
+    return {**cases, "dropless cpu_fused": fused} if kernels else cases
 
 
 def grad_fn(fn: Callable, tok_of_row=None) -> Callable:
@@ -121,12 +136,15 @@ def build(seed: int = 0, shape: tuple[int, ...] = (TOKENS, D_MODEL, D_FF, N_EXP,
              arr(n_exp, d_ff, d_model, scale=0.05))
     expert = balanced_routing(tokens, n_exp, top_k, seed)
     tok = jnp.asarray(np.arange(tokens * top_k) // top_k)
+    kernels = kernels_apply(dtype)
     cases = {"dense 2-D": (grad_fn(swiglu), (x, *dense_w))}
-    for name, fn in expert_cases(expert, n_exp).items():
+    if kernels:
+        cases["dense cpu_fused"] = (grad_fn(lambda *a: cpu_mlp.mlp(*a, names=())), (x, *dense_w))
+    for name, fn in expert_cases(expert, n_exp, kernels).items():
         cases[name] = (grad_fn(fn, tok), (x, *exp_w))
     ref = cases["per-expert 2-D"][0](*cases["per-expert 2-D"][1])
     diffs = {}
-    for name in list(cases)[1:]:
+    for name in [n for n in cases if not n.startswith("dense")]:
         got = cases[name][0](*cases[name][1])
         diffs[name] = max(float(jnp.max(jnp.abs(g.astype(jnp.float32) - r)) / jnp.max(jnp.abs(r)))
                           for g, r in zip(got, (r.astype(jnp.float32) for r in ref)))

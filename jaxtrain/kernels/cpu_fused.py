@@ -1,6 +1,7 @@
-"""jaxtrain's XLA:CPU kernels (XLA FFI, C++): causal self-attention (``cpu_attention.cc``) and the
-projections' matmul (``cpu_matmul.cc``, :mod:`jaxtrain.kernels.cpu_matmul`), built together on first
-use with the machine's C++ compiler and kept in a cache.
+"""jaxtrain's XLA:CPU kernels (XLA FFI, C++): causal self-attention (``cpu_attention.cc``), the
+projections' matmul (``cpu_matmul.cc``, :mod:`jaxtrain.kernels.cpu_matmul`), the SwiGLU MLP, RMSNorm, the
+AdamW update and the MoE experts' grouped SwiGLU (``cpu_mlp.cc``, ``cpu_norm.cc``, ``cpu_adamw.cc``,
+``cpu_grouped.cc``), built together on first use with the machine's C++ compiler and kept in a cache.
 
 Why the attention: a short sequence's attention on a CPU is many tiny matmuls (one per batch element
 and head) that XLA runs at a fraction of the matmul rate. The kernel does one (batch, kv head) pair
@@ -41,8 +42,10 @@ import numpy as np
 log = logging.getLogger("jaxtrain")
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_attention.cc", "cpu_matmul.cc", "cpu_mlp.cc",
-                                                                "cpu_norm.cc", "cpu_adamw.cc"))
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_parallel.h", "cpu_gemm.h", "cpu_math.h"))
+                                                                "cpu_norm.cc", "cpu_adamw.cc",
+                                                                "cpu_grouped.cc"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_parallel.h", "cpu_gemm.h", "cpu_math.h",
+                                                            "cpu_tiles.h"))
 FORWARD, BACKWARD = "jaxtrain_cpu_attention_fwd", "jaxtrain_cpu_attention_bwd"
 ROPE_FORWARD, ROPE_BACKWARD = "jaxtrain_cpu_attention_rope_fwd", "jaxtrain_cpu_attention_rope_bwd"
 MATMUL = "jaxtrain_cpu_matmul"
@@ -50,8 +53,12 @@ SWIGLU_FORWARD, SWIGLU_BACKWARD = "jaxtrain_cpu_swiglu_fwd", "jaxtrain_cpu_swigl
 MATMUL_SUM = "jaxtrain_cpu_matmul_sum"  # cpu_mlp.cc
 RMSNORM_FORWARD, RMSNORM_BACKWARD = "jaxtrain_cpu_rms_norm_fwd", "jaxtrain_cpu_rms_norm_bwd"  # cpu_norm.cc
 ADAMW = "jaxtrain_cpu_adamw"  # cpu_adamw.cc
+# cpu_grouped.cc
+GROUPED_FORWARD, GROUPED_BACKWARD = "jaxtrain_cpu_grouped_swiglu_fwd", "jaxtrain_cpu_grouped_swiglu_bwd"
+GROUPED_MATMUL_SUM, GROUPED_WEIGHT_GRAD = "jaxtrain_cpu_grouped_matmul_sum", "jaxtrain_cpu_grouped_weight_grad"
 TARGETS = (FORWARD, BACKWARD, ROPE_FORWARD, ROPE_BACKWARD, MATMUL, SWIGLU_FORWARD, SWIGLU_BACKWARD, MATMUL_SUM,
-           RMSNORM_FORWARD, RMSNORM_BACKWARD, ADAMW)
+           RMSNORM_FORWARD, RMSNORM_BACKWARD, ADAMW, GROUPED_FORWARD, GROUPED_BACKWARD, GROUPED_MATMUL_SUM,
+           GROUPED_WEIGHT_GRAD)
 MAX_LENGTH = 1024  # two [length, length] float32 tiles per thread: 8 MiB at 1024
 STALE_S = 600  # a temporary library this old is a killed build's leftover (a build takes seconds)
 FLAGS = ("-std=c++20", "-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared", "-w")
@@ -186,7 +193,11 @@ def _register() -> Optional[str]:
                                (MATMUL_SUM, library.JaxtrainCpuMatmulSum),
                                (RMSNORM_FORWARD, library.JaxtrainCpuRmsNormForward),
                                (RMSNORM_BACKWARD, library.JaxtrainCpuRmsNormBackward),
-                               (ADAMW, library.JaxtrainCpuAdamW)):
+                               (ADAMW, library.JaxtrainCpuAdamW),
+                               (GROUPED_FORWARD, library.JaxtrainCpuGroupedSwigluForward),
+                               (GROUPED_BACKWARD, library.JaxtrainCpuGroupedSwigluBackward),
+                               (GROUPED_MATMUL_SUM, library.JaxtrainCpuGroupedMatmulSum),
+                               (GROUPED_WEIGHT_GRAD, library.JaxtrainCpuGroupedWeightGrad)):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
         _state["library"] = path.name
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as err:

@@ -22,8 +22,7 @@
 #include <vector>
 
 #include "cpu_gemm.h"
-#include "cpu_math.h"
-#include "cpu_parallel.h"
+#include "cpu_tiles.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -31,68 +30,15 @@ namespace ffi = xla::ffi;
 namespace {
 
 using namespace jaxtrain::gemm;
-using jaxtrain::Sigmoid;
-using jaxtrain::V16;
-using jaxtrain::V16u;
-
-// Runs body(i0, i1, j0, width) for each run of rows [i0, i1) by panel [j0, j0 + width) of an m x n
-// result, a thread first on its own runs of rows (cpu_parallel.h).
-template <typename Body>
-void Tiles(ffi::ThreadPool& pool, int64_t m, int64_t n, Body body) {
-  if (m == 0 || n == 0) return;
-  const int64_t panels = (n + kCols - 1) / kCols;
-  const RowRuns runs(m);
-  jaxtrain::ParallelFor(pool, runs.runs * panels, pool.num_threads(), [&](int64_t task) {
-    const int64_t i0 = task / panels * runs.rows, i1 = std::min(m, i0 + runs.rows), j0 = task % panels * kCols;
-    if (i0 < i1) body(i0, i1, j0, std::min(kCols, n - j0));
-  });
-}
-
-// c's tile (+)= the product's, or 0 where K is 0 (Task sums nothing then).
-void Product(const Gemm& g, int64_t i0, int64_t i1, int64_t j0, int64_t width, bool accumulate) {
-  if (g.k > 0) return Task(g, g.c, j0, i0, i1, 0, g.k, accumulate);
-  if (accumulate) return;
-  for (int64_t i = i0; i < i1; ++i) std::fill(g.c + i * g.n + j0, g.c + i * g.n + j0 + width, 0.0f);
-}
-
-// f(count, in..., out...) on 16 lanes of a row's floats at a time: whole vectors, then the last
-// count % 16 through zero-padded copies.
-template <int NIn, int NOut, typename F>
-inline void Rows16(int64_t count, const float* const (&in)[NIn], float* const (&out)[NOut], F f) {
-  V16 a[NIn], b[NOut];
-  int64_t j = 0;
-  for (; j + 16 <= count; j += 16) {
-    for (int q = 0; q < NIn; ++q) a[q] = *reinterpret_cast<const V16u*>(in[q] + j);
-    f(a, b);
-    for (int q = 0; q < NOut; ++q) *reinterpret_cast<V16u*>(out[q] + j) = b[q];
-  }
-  if (j == count) return;
-  alignas(64) float lanes[NIn > NOut ? NIn : NOut][16] = {};
-  for (int q = 0; q < NIn; ++q) std::copy(in[q] + j, in[q] + count, lanes[q]);
-  for (int q = 0; q < NIn; ++q) a[q] = *reinterpret_cast<const V16*>(lanes[q]);
-  f(a, b);
-  for (int q = 0; q < NOut; ++q) {
-    *reinterpret_cast<V16*>(lanes[q]) = b[q];
-    std::copy(lanes[q], lanes[q] + (count - j), out[q] + j);
-  }
-}
-
-bool Is2D(ffi::Buffer<ffi::F32>& a, int64_t rows, int64_t cols) {
-  auto d = a.dimensions();
-  return d.size() == 2 && d[0] == rows && d[1] == cols;
-}
-
-bool Is2D(ffi::ResultBuffer<ffi::F32>& a, int64_t rows, int64_t cols) {
-  auto d = a->dimensions();
-  return d.size() == 2 && d[0] == rows && d[1] == cols;
-}
+using namespace jaxtrain::tiles;
 
 ffi::Error SwigluForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> wg,
                          ffi::Buffer<ffi::F32> wu, ffi::ResultBuffer<ffi::F32> h, ffi::ResultBuffer<ffi::F32> g,
                          ffi::ResultBuffer<ffi::F32> u) {
   if (x.dimensions().size() != 2 || wg.dimensions().size() != 2) return ffi::Error::InvalidArgument("x, Wg: 2-D");
   const int64_t m = x.dimensions()[0], d = x.dimensions()[1], f = wg.dimensions()[1];
-  if (!Is2D(wg, d, f) || !Is2D(wu, d, f) || !Is2D(h, m, f) || !Is2D(g, m, f) || !Is2D(u, m, f))
+  if (!HasShape(wg.dimensions(), {d, f}) || !HasShape(wu.dimensions(), {d, f}) || !HasShape(h->dimensions(), {m, f}) ||
+      !HasShape(g->dimensions(), {m, f}) || !HasShape(u->dimensions(), {m, f}))
     return ffi::Error::InvalidArgument("shapes: x [M, D], Wg and Wu [D, F], h, g and u [M, F]");
   const Gemm gate{m, f, d, x.typed_data(), d, 1, wg.typed_data(), f, 1, g->typed_data()};
   const Gemm up{m, f, d, x.typed_data(), d, 1, wu.typed_data(), f, 1, u->typed_data()};
@@ -100,12 +46,7 @@ ffi::Error SwigluForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   Tiles(pool, m, f, [&](int64_t i0, int64_t i1, int64_t j0, int64_t width) {
     Product(gate, i0, i1, j0, width, false);
     Product(up, i0, i1, j0, width, false);
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t o = i * f + j0;
-      Rows16<2, 1>(width, {gate.c + o, up.c + o}, {hp + o}, [](const V16* a, V16* b) {
-        b[0] = a[0] * Sigmoid(a[0]) * a[1];  // h = silu(g) u
-      });
-    }
+    SwigluTile(gate.c, up.c, hp, f, i0, i1, j0, width);
   });
   return ffi::Error::Success();
 }
@@ -115,7 +56,8 @@ ffi::Error SwigluBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> dout, ffi:
                           ffi::ResultBuffer<ffi::F32> du) {
   if (dout.dimensions().size() != 2 || wd.dimensions().size() != 2) return ffi::Error::InvalidArgument("dout, Wd: 2-D");
   const int64_t m = dout.dimensions()[0], d = dout.dimensions()[1], f = wd.dimensions()[0];
-  if (!Is2D(wd, f, d) || !Is2D(g, m, f) || !Is2D(u, m, f) || !Is2D(dg, m, f) || !Is2D(du, m, f))
+  if (!HasShape(wd.dimensions(), {f, d}) || !HasShape(g.dimensions(), {m, f}) || !HasShape(u.dimensions(), {m, f}) ||
+      !HasShape(dg->dimensions(), {m, f}) || !HasShape(du->dimensions(), {m, f}))
     return ffi::Error::InvalidArgument("shapes: dout [M, D], Wd [F, D], g, u, dg and du [M, F]");
   // dh = dout Wd^T, written where dg goes and then replaced by dg
   const Gemm dh{m, f, d, dout.typed_data(), d, 1, wd.typed_data(), 1, d, dg->typed_data()};
@@ -123,14 +65,7 @@ ffi::Error SwigluBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> dout, ffi:
   float* const dup = du->typed_data();
   Tiles(pool, m, f, [&](int64_t i0, int64_t i1, int64_t j0, int64_t width) {
     Product(dh, i0, i1, j0, width, false);
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t o = i * f + j0;
-      Rows16<3, 2>(width, {dh.c + o, gp + o, up + o}, {dh.c + o, dup + o}, [](const V16* a, V16* b) {
-        const V16 s = Sigmoid(a[1]);
-        b[0] = a[0] * a[2] * s * (1.0f + a[1] * (1.0f - s));  // dg = dh u silu'(g)
-        b[1] = a[0] * a[1] * s;                               // du = dh silu(g)
-      });
-    }
+    SwigluGradTile(dh.c, gp, up, dup, f, i0, i1, j0, width);
   });
   return ffi::Error::Success();
 }
@@ -147,7 +82,7 @@ ffi::Error MatmulSum(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::ResultB
     auto b = args.get<ffi::Buffer<ffi::F32>>(i + 1);
     if (!a.has_value() || !b.has_value()) return ffi::Error::InvalidArgument("a and b must be float32");
     const int64_t k = a->dimensions().size() == 2 ? a->dimensions()[1] : -1;
-    if (!Is2D(*a, m, k) || !Is2D(*b, n, k))
+    if (!HasShape(a->dimensions(), {m, k}) || !HasShape(b->dimensions(), {n, k}))
       return ffi::Error::InvalidArgument("shapes: each a_i [M, K_i], b_i [N, K_i], c [M, N]");
     products.push_back(Gemm{m, n, k, a->typed_data(), k, 1, b->typed_data(), 1, k, c->typed_data()});
   }

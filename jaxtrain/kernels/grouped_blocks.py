@@ -22,7 +22,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jaxtrain.kernels.grouped_cpu import _vary_alike, permute_rows, swiglu_grads, window_layout
+from jaxtrain.kernels.grouped_cpu import permute_rows, swiglu_grads, vary_alike, window_layout
 
 
 def block_rows(m: int, n_exp: int) -> int:
@@ -113,6 +113,6 @@ def blocked_swiglu(rows: jax.Array, expert: jax.Array, w_gate: jax.Array, w_up: 
     e_c = jnp.minimum(e_sorted, n_exp - 1)
     pos = jnp.arange(m) - lay.group_start[e_c]
     flat = jnp.where(e_sorted < n_exp, (lay.first[e_c] + pos // w) * w + pos % w, lay.start.shape[0] * w)
-    xs, w_gate, w_up, w_down = _vary_alike(lay.xs, w_gate, w_up, w_down)
+    xs, w_gate, w_up, w_down = vary_alike(lay.xs, w_gate, w_up, w_down)
     out = _blocks(w, xs, lay.start, lay.valid, lay.owner, flat.astype(jnp.int32), w_gate, w_up, w_down)
     return permute_rows(out, lay.inverse, lay.order)

@@ -47,7 +47,7 @@ def _varying(a: jax.Array) -> set[str]:
     return set(manual.varying) if manual is not None else set()
 
 
-def _vary_alike(*arrays: jax.Array) -> list[jax.Array]:
+def vary_alike(*arrays: jax.Array) -> list[jax.Array]:
     """Inside ``shard_map``: each array cast to vary over every mesh axis any of them varies over.
 
     The written-out backward pass returns, e.g., a weight gradient that varies over ``data`` like the
@@ -62,6 +62,13 @@ def _vary_alike(*arrays: jax.Array) -> list[jax.Array]:
         missing = tuple(sorted(axes - have))
         out.append(jax.lax.pcast(a, missing, to="varying") if missing else a)
     return out
+
+
+def vary_like(a: jax.Array, ref: jax.Array) -> jax.Array:
+    """``a`` cast to vary over every manual mesh axis ``ref`` varies over (inside ``shard_map``): an FFI
+    call's results vary over none, where a custom VJP's cotangent must have its primal's type."""
+    missing = tuple(sorted(_varying(ref) - _varying(a)))
+    return jax.lax.pcast(a, missing, to="varying") if missing else a
 
 
 def _keep(valid, w: int) -> jax.Array:
@@ -192,6 +199,6 @@ def windowed_swiglu(rows: jax.Array, expert: jax.Array, w_gate: jax.Array, w_up:
     m = rows.shape[0]
     w = window_rows(m, w_gate.shape[0])
     lay = window_layout(rows, expert, w_gate.shape[0], w)
-    xs, w_gate, w_up, w_down = _vary_alike(lay.xs, w_gate, w_up, w_down)
+    xs, w_gate, w_up, w_down = vary_alike(lay.xs, w_gate, w_up, w_down)
     out = _windows(w, xs, lay.start, lay.valid, lay.owner, w_gate, w_up, w_down)
     return permute_rows(out[:m], lay.inverse, lay.order)

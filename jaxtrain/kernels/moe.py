@@ -11,13 +11,14 @@ Two ways to run the experts:
 * **dropless** (MegaBlocks, Gale et al. 2023): the copies are sorted by expert and run as
   grouped matmuls: ``jax.lax.ragged_dot`` with the per-expert group sizes on GPU and TPU.
   XLA:CPU expands ``ragged_dot`` into one masked dense matmul per group (n_experts x the
-  work), so on CPU the sorted copies run as 2-D matmuls over fixed-size windows, each inside one
-  expert's group (:mod:`jaxtrain.kernels.grouped_cpu`). No token is dropped.
+  work), so on CPU the sorted copies run through jaxtrain's grouped kernels, a task per run of one
+  expert's rows (:mod:`jaxtrain.kernels.cpu_grouped`), or as 2-D matmuls over fixed-size windows, each
+  inside one expert's group (:mod:`jaxtrain.kernels.grouped_cpu`). No token is dropped.
 * **capacity** (GShard, Lepikhin et al. 2020; Switch, Fedus et al. 2022): each expert has
   ``capacity`` slots per sequence; the model gives each copy its slot, and copies whose slot
   is >= capacity are dropped (they contribute zero; the residual carries the token on).
-  The experts run as one batched matmul over ``[experts, slots, embed]`` buffers (on CPU, one 2-D
-  matmul per expert: :func:`_expert_buffers_swiglu`).
+  The experts run as one batched matmul over ``[experts, slots, embed]`` buffers (on CPU, the grouped
+  kernels or one 2-D matmul per expert: :func:`_expert_buffers_swiglu`).
 
 **Expert parallelism.** Inside the trainer's activation-sharding context, when the rules shard
 the ``exp`` dimension of the expert weights over mesh axes (``sharding_rules/ep.yaml``:
@@ -28,8 +29,8 @@ on what it receives, and sends the results back with a second all-to-all. Drople
 sends each device exactly the copies for its experts (``jax.lax.ragged_all_to_all``) into a
 receive buffer sized for the worst case (every copy of every device), and the grouped matmul
 computes only the rows received. XLA:CPU has no ragged all-to-all: there it is emulated with a
-dense all-to-all of chunks padded to the worst case, and the windowed matmuls compute the whole
-buffer (``ep`` x the bytes and FLOPs; correct, for tests and small runs). Capacity routing sends
+dense all-to-all of chunks padded to the worst case (``ep`` x the bytes; correct, for tests and small
+runs); the grouped kernels compute only the rows received, the windowed matmuls the whole buffer. Capacity routing sends
 each expert's slot buffers. The ``mlp`` dimension may be split over other axes (``tensor``):
 each device then holds a slice of every local expert's hidden units and the outputs are summed
 over those axes. Model code never sees a
@@ -37,6 +38,7 @@ mesh: it calls :func:`routed_experts`, which reads the active rules.
 """
 from __future__ import annotations
 
+import logging
 import math
 from typing import Optional
 
@@ -44,33 +46,73 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain.errors import ShardingError
-from jaxtrain.kernels import target
+from jaxtrain.errors import ConfigError, ShardingError
+from jaxtrain.kernels import cpu_fused, cpu_grouped, target
 from jaxtrain.kernels.grouped_blocks import blocked_swiglu
 from jaxtrain.kernels.grouped_cpu import inverse_permutation, permute_rows, windowed_swiglu
 from jaxtrain.parallel import pipeline
 from jaxtrain.parallel.activations import active_sharding
+from jaxtrain.runtime import once
 
-GROUPED = ("auto", "ragged_dot", "blocks", "windows")  # model.grouped_matmul
+log = logging.getLogger("jaxtrain")
+
+GROUPED = ("auto", "ragged_dot", "blocks", "windows", "cpu_fused")  # model.grouped_matmul
+_logged: set = set()
 
 
-def grouped_impl(grouped: str, backend: str) -> str:
-    """``model.grouped_matmul`` resolved: ``auto`` is ``windows`` on CPU and ``ragged_dot`` elsewhere."""
+def grouped_impl(grouped: str, backend: str, fused_problem: Optional[str] = None) -> str:
+    """``model.grouped_matmul`` resolved: ``auto`` is ``cpu_fused`` on CPU where ``fused_problem`` (why the
+    kernels cannot take the layer, :func:`fused_grouped_problem`) is None, else ``windows`` there, and
+    ``ragged_dot`` elsewhere; ``auto``'s choice is logged once per reason and recorded for resolved.json.
+
+    Raises:
+      ValueError: an unknown name. ConfigError: ``cpu_fused`` where ``fused_problem`` says it cannot run.
+    """
     if grouped not in GROUPED:
         raise ValueError(f"grouped matmul {grouped!r}: expected one of {', '.join(GROUPED)}")
-    return grouped if grouped != "auto" else ("windows" if backend == "cpu" else "ragged_dot")
+    if grouped == "cpu_fused" and fused_problem:
+        raise ConfigError(f"model.grouped_matmul=cpu_fused cannot run here: {fused_problem} (use auto or windows)")
+    if grouped != "auto":
+        return grouped
+    if backend != "cpu":
+        return "ragged_dot"
+    choice, reason = ("windows", f"cpu_fused: {fused_problem}") if fused_problem else (
+        "cpu_fused", "backend cpu, float32, the kernels built")
+    if once.decided(_logged, "model.grouped_matmul", choice, reason):
+        log.info("model.grouped_matmul=auto -> %s (%s)", choice, reason)
+    return choice
+
+
+def fused_grouped_problem(rows: jax.Array, w_gate, w_up, w_down) -> Optional[str]:
+    """Why the XLA:CPU kernels (:mod:`jaxtrain.kernels.cpu_grouped`) cannot run this layer's experts here,
+    or None: another backend, operands they do not take, kernels that did not build, or more than one
+    device outside the trainer's sharding context (inside it the experts run under ``shard_map``, where
+    each device calls the kernels on its own rows; outside it XLA's partitioner would gather them)."""
+    backend = target.backend()
+    if backend != "cpu":
+        return f"an XLA:CPU kernel; the backend is '{backend}'"
+    if active_sharding() is None and jax.device_count() > 1:
+        return f"outside the trainer's sharding context on {jax.device_count()} devices"
+    why = cpu_grouped.shape_problem(rows, w_gate, w_up, w_down)
+    return why or cpu_fused.problem()
 
 
 def _grouped_swiglu(rows: jax.Array, expert: jax.Array, w_gate, w_up, w_down, grouped: str = "auto") -> jax.Array:
     """rows [M, embed], expert [M] int32 in [0, E] (E = no expert: output 0) -> [M, embed].
 
-    Sorts the rows by expert and runs the SwiGLU as grouped matmuls over the groups, as ``grouped``
-    says (:func:`grouped_impl`): three ``ragged_dot`` calls (grouped GEMM kernels where the backend
-    has them; XLA:CPU and, in JAX 0.11.2, XLA:GPU expand them into padded dense matmuls), 2-D
-    matmuls over windows of the sorted rows (:func:`jaxtrain.kernels.grouped_cpu.windowed_swiglu`),
-    or batched matmuls over blocks of them (:func:`jaxtrain.kernels.grouped_blocks.blocked_swiglu`).
+    Runs the SwiGLU as grouped matmuls over the rows sorted by expert, as ``grouped`` says
+    (:func:`grouped_impl`): XLA:CPU kernels over each expert's rows
+    (:func:`jaxtrain.kernels.cpu_grouped.grouped_swiglu`), three ``ragged_dot`` calls (grouped GEMM
+    kernels where the backend has them; XLA:CPU and, in JAX 0.11.2, XLA:GPU expand them into padded dense
+    matmuls), 2-D matmuls over windows of the sorted rows
+    (:func:`jaxtrain.kernels.grouped_cpu.windowed_swiglu`), or batched matmuls over blocks of them
+    (:func:`jaxtrain.kernels.grouped_blocks.blocked_swiglu`).
     """
-    impl = grouped_impl(grouped, target.backend())
+    backend = target.backend()
+    fused_problem = fused_grouped_problem(rows, w_gate, w_up, w_down) if grouped in ("auto", "cpu_fused") else None
+    impl = grouped_impl(grouped, backend, fused_problem)
+    if impl == "cpu_fused":
+        return cpu_grouped.grouped_swiglu(rows, expert, w_gate, w_up, w_down)
     if impl == "windows":
         return windowed_swiglu(rows, expert, w_gate, w_up, w_down)
     if impl == "blocks":
@@ -143,15 +185,21 @@ def _dropless(x2, idx, w_gate, w_up, w_down, axis, ep: int, grouped: str = "auto
 UNROLL_EXPERTS = 16  # on CPU, up to this many local experts run as one 2-D SwiGLU each
 
 
-def _expert_buffers_swiglu(rows: jax.Array, w_gate, w_up, w_down) -> jax.Array:
+def _expert_buffers_swiglu(rows: jax.Array, w_gate, w_up, w_down, grouped: str = "auto") -> jax.Array:
     """rows [E, slots, embed] through expert e's SwiGLU each -> [E, slots, embed].
 
-    One batched matmul per weight on GPU and TPU. On CPU, with at most ``UNROLL_EXPERTS`` experts, one
+    One batched matmul per weight on GPU and TPU. On CPU, where ``grouped`` (``model.grouped_matmul``)
+    resolves to ``cpu_fused``, the XLA:CPU grouped kernels with a group per expert
+    (:func:`jaxtrain.kernels.cpu_grouped.buffers_swiglu`). Else, with at most ``UNROLL_EXPERTS`` experts, one
     2-D SwiGLU per expert instead (the same values; bit for bit on the AMD EPYC it was measured on,
     though another CPU's kernels may round differently): XLA:CPU runs a 2-D matmul faster
     than a slice of a batched one and runs two experts' at once on two cores (``benchmarks/moe_kernels.py``:
     "per-expert 2-D" against "batched [E, M/E]").
     """
+    if target.backend() == "cpu" and grouped in ("auto", "cpu_fused"):
+        flat = rows.reshape(-1, rows.shape[-1])
+        if grouped_impl(grouped, "cpu", fused_grouped_problem(flat, w_gate, w_up, w_down)) == "cpu_fused":
+            return cpu_grouped.buffers_swiglu(rows, w_gate, w_up, w_down)
     if target.backend() == "cpu" and rows.shape[0] <= UNROLL_EXPERTS:
         return jnp.stack([(jax.nn.silu(rows[e] @ w_gate[e]) * (rows[e] @ w_up[e])) @ w_down[e]
                           for e in range(rows.shape[0])])
@@ -159,7 +207,7 @@ def _expert_buffers_swiglu(rows: jax.Array, w_gate, w_up, w_down) -> jax.Array:
     return jnp.einsum("emf,efd->emd", h, w_down)
 
 
-def _capacity(x, idx, slots, capacity: int, w_gate, w_up, w_down, axis, ep: int) -> jax.Array:
+def _capacity(x, idx, slots, capacity: int, w_gate, w_up, w_down, axis, ep: int, grouped: str = "auto") -> jax.Array:
     """x [b, t, embed], idx/slots [b, t, k] -> expert outputs per copy [b, t, k, embed] (dropped: 0)."""
     b, t, k = idx.shape
     n_exp = w_gate.shape[0] * ep
@@ -173,7 +221,7 @@ def _capacity(x, idx, slots, capacity: int, w_gate, w_up, w_down, axis, ep: int)
         buf = jax.lax.all_to_all(buf, axis, 0, 0, tiled=True)  # my experts' buffers from every source
         buf = buf.reshape(ep, n_exp // ep, b, capacity, -1).swapaxes(0, 1)
     rows = buf.reshape(w_gate.shape[0], -1, x.shape[-1])  # [local experts, slots, embed]
-    out = _expert_buffers_swiglu(rows, w_gate, w_up, w_down).reshape(buf.shape)
+    out = _expert_buffers_swiglu(rows, w_gate, w_up, w_down, grouped).reshape(buf.shape)
     if ep > 1:
         out = jax.lax.all_to_all(out.swapaxes(0, 1).reshape(n_exp, b, capacity, -1), axis, 0, 0, tiled=True)
     out = jnp.pad(out, ((0, 0), (0, 0), (0, 1), (0, 0)))  # the spare slot reads zeros
@@ -187,7 +235,7 @@ def _local(x, idx, combine, slots, w_gate, w_up, w_down, *, capacity, axis, ep, 
         y = _dropless(x.reshape(b * t, d), idx.reshape(b * t, -1), w_gate, w_up, w_down, axis, ep, grouped)
         y = y.reshape(b, t, -1, d)
     else:
-        y = _capacity(x, idx, slots, capacity, w_gate, w_up, w_down, axis, ep)
+        y = _capacity(x, idx, slots, capacity, w_gate, w_up, w_down, axis, ep, grouped)
     out = jnp.einsum("btkd,btk->btd", y.astype(jnp.float32), combine.astype(jnp.float32))
     if mlp_axes:  # each device summed over its slice of the hidden units
         out = jax.lax.psum(out, mlp_axes)
@@ -257,7 +305,8 @@ def routed_experts(x: jax.Array, idx: jax.Array, combine: jax.Array, w_gate: jax
       slots: [batch, length, k] int32 slot of each copy in its expert's per-sequence buffer
         (capacity routing; copies with slot >= capacity are dropped), or None (dropless).
       capacity: slots per expert and sequence, or None (dropless).
-      grouped: the dropless grouped matmul, one of :data:`GROUPED` (:func:`grouped_impl`).
+      grouped: the experts' grouped matmul, one of :data:`GROUPED` (:func:`grouped_impl`; capacity routing reads
+        only whether it resolves to ``cpu_fused``).
     Returns:
       [batch, length, embed] in x's dtype.
     Raises:

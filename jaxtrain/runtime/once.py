@@ -1,6 +1,6 @@
-"""What ``auto`` resolved to (``model.attention``, ``model.matmul``, ``optimizer.implementation``): each
-decision said once per process, and every one of a run kept for its run directory (``resolved.json``,
-written by the trainer).
+"""What ``auto`` resolved to (``model.attention``, ``model.matmul``, ``model.grouped_matmul``,
+``optimizer.implementation``): each decision said once per process, and every one of a run kept for its
+run directory (``resolved.json``, written by the trainer).
 
 Once: the main thread and the precompile thread (``jaxtrain.train.precompile``) trace programs at the
 same time; with a check of the set and then an add in each, both logged the same line (seen on warm

@@ -27,7 +27,7 @@ class MixtralConfig(LlamaConfig):
     capacity_factor: float = 1.25
     # Dropless routing's grouped matmul: auto (windows on CPU, ragged_dot elsewhere), ragged_dot,
     # blocks (batched matmuls over blocks of sorted rows) or windows (2-D matmuls over them).
-    grouped_matmul: Literal["auto", "ragged_dot", "blocks", "windows"] = "auto"
+    grouped_matmul: Literal["auto", "ragged_dot", "blocks", "windows", "cpu_fused"] = "auto"
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 0.001
 

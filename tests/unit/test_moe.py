@@ -111,12 +111,13 @@ def test_balanced_routing_gives_an_aux_loss_of_one():
     (300, [1.0, 0.0, 0.0, 0.0, 0.0]),  # every row to one expert: 5 windows of one group
     (100, [0.0, 0.0, 0.0, 0.0, 1.0]),  # no row has an expert: all zeros
 ], ids=["mixed", "multi-window", "one-expert", "none"])
-@pytest.mark.parametrize("kernel", ["windows", "blocks"])
+@pytest.mark.parametrize("kernel", ["windows", "blocks", "cpu_fused"])
 def test_the_windowed_and_blocked_grouped_matmuls_equal_ragged_dot_values_and_gradients(n, share, kernel):
-    """Each path in float32 against the ragged_dot path in float64: the windowed (or blocked) kernel's
-    worst error is at most 4x ragged_dot's own (the tolerance follows the summands' scale on this CPU:
+    """Each path in float32 against the ragged_dot path in float64: the windowed (or blocked, or XLA:CPU
+    kernels') worst error is at most 4x ragged_dot's own (the tolerance follows the summands' scale on this CPU:
     an Intel Xeon's float32 gradients differ from an AMD EPYC's by up to 5e-3 here, both accurate).
     The blocks are 32 rows here, so the busiest groups span several."""
+    from jaxtrain.kernels.cpu_grouped import grouped_swiglu
     from jaxtrain.kernels.grouped_blocks import blocked_swiglu
     from jaxtrain.kernels.grouped_cpu import windowed_swiglu
     rng = np.random.default_rng(0)
@@ -133,6 +134,8 @@ def test_the_windowed_and_blocked_grouped_matmuls_equal_ragged_dot_values_and_gr
         return jnp.zeros_like(ys).at[order].set(ys)
 
     def windowed(r, wg, wu, wd):
+        if kernel == "cpu_fused":
+            return grouped_swiglu(r, expert, wg, wu, wd)
         if kernel == "blocks":
             return blocked_swiglu(r, expert, wg, wu, wd, rows_per_block=32)
         return windowed_swiglu(r, expert, wg, wu, wd)

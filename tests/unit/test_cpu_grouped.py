@@ -1,0 +1,83 @@
+"""The MoE experts through the XLA:CPU grouped kernels (jaxtrain/kernels/cpu_grouped.py, cpu_grouped.cc) and
+``model.grouped_matmul``: the layer against the NumPy reference for both routings, when ``auto`` takes the
+kernels, and the named error where ``cpu_fused`` cannot run. (Values and gradients of the kernels alone
+against float64: test_moe.py's grouped-matmul test.)"""
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, Mesh
+from test_moe import CFG, layer, reference
+
+from jaxtrain.config import MESH_AXES
+from jaxtrain.errors import ConfigError
+from jaxtrain.kernels import cpu_fused, moe
+from jaxtrain.models.mixtral.model import LOGICAL_AXES
+from jaxtrain.parallel.activations import activation_sharding
+from jaxtrain.parallel.rules import Rules
+from jaxtrain.runtime import once
+
+pytestmark = pytest.mark.skipif(cpu_fused.problem() is not None, reason="the XLA:CPU kernels did not build")
+
+
+def on_one_device():
+    """The trainer's context while it traces a one-device run, with a rule for every logical name."""
+    mesh = Mesh(np.asarray(jax.devices()[:1]).reshape((1,) * len(MESH_AXES)), MESH_AXES,
+                axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    return activation_sharding(Rules("one", {name: [None] for name in LOGICAL_AXES}), mesh)
+
+
+def compiled_layer(cfg, seed):
+    """(the layer's outputs, the reference's, and the HLO text of its jitted forward)."""
+    moe_layer, x, ws = layer(cfg, seed)
+    fn = jax.jit(lambda m, v: m(v))
+    with on_one_device():
+        (y, stats), text = fn(moe_layer, x), fn.lower(moe_layer, x).as_text()
+    capacity = cfg.capacity(x.shape[1]) if cfg.routing == "capacity" else None
+    return (y, stats), reference(np.asarray(x, np.float64), *ws, cfg.top_k, capacity), text
+
+
+@pytest.mark.parametrize("routing", ["dropless", "capacity"])
+@pytest.mark.parametrize("grouped", ["auto", "cpu_fused"])
+def test_the_layer_through_the_grouped_kernels_equals_the_reference(routing, grouped):
+    cfg = CFG.model_copy(update={"grouped_matmul": grouped, "routing": routing, "capacity_factor": 0.5})
+    (y, stats), (ref, dropped, _), text = compiled_layer(cfg, seed=3)
+    assert text.count(f"custom_call @{cpu_fused.GROUPED_FORWARD}(") == 1  # the experts' products: the kernels
+    np.testing.assert_allclose(np.asarray(y), ref, atol=1e-5, rtol=0)
+    assert float(stats["dropped"]) == pytest.approx(dropped.mean()) and (routing == "dropless") != dropped.any()
+
+
+def test_auto_takes_the_kernels_where_they_run_and_says_why_not_elsewhere(caplog):
+    rows, w, wd = jnp.zeros((8, 16)), jnp.zeros((4, 16, 24)), jnp.zeros((4, 24, 16))
+    once.forget()
+    moe._logged.clear()
+    # This process has 8 devices: outside the trainer's sharding XLA's partitioner would gather the rows.
+    outside = moe.fused_grouped_problem(rows, w, w, wd)
+    assert outside == f"outside the trainer's sharding context on {jax.device_count()} devices"
+    with caplog.at_level(logging.INFO, logger="jaxtrain"):
+        assert moe.grouped_impl("auto", "cpu", outside) == "windows"
+        with on_one_device():
+            assert moe.fused_grouped_problem(rows, w, w, wd) is None
+            assert moe.grouped_impl("auto", "cpu", None) == "cpu_fused"
+            half = moe.fused_grouped_problem(rows.astype(jnp.bfloat16), w, w, wd)
+    assert half == "operands of rows bfloat16, w_gate float32, w_up float32, w_down float32 (it computes float32)"
+    assert moe.grouped_impl("auto", "gpu", None) == "ragged_dot" and moe.grouped_impl("windows", "cpu") == "windows"
+    assert once.decisions()["model.grouped_matmul"] == {
+        "windows": [f"cpu_fused: {outside}"], "cpu_fused": ["backend cpu, float32, the kernels built"]}
+    said = [r.getMessage() for r in caplog.records if "grouped_matmul" in r.getMessage()]
+    assert said == [f"model.grouped_matmul=auto -> windows (cpu_fused: {outside})",
+                    "model.grouped_matmul=auto -> cpu_fused (backend cpu, float32, the kernels built)"]
+    with pytest.raises(ConfigError) as e:
+        moe.grouped_impl("cpu_fused", "cpu", half)
+    assert str(e.value) == f"model.grouped_matmul=cpu_fused cannot run here: {half} (use auto or windows)"
+
+
+def test_an_explicit_cpu_fused_outside_the_trainers_sharding_is_a_named_error():
+    cfg = CFG.model_copy(update={"grouped_matmul": "cpu_fused"})
+    moe_layer, x, _ = layer(cfg)
+    with pytest.raises(ConfigError) as e:
+        jax.jit(lambda m, v: m(v))(moe_layer, x)
+    assert str(e.value) == (f"model.grouped_matmul=cpu_fused cannot run here: outside the trainer's sharding "
+                            f"context on {jax.device_count()} devices (use auto or windows)")

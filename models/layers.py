@@ -7,7 +7,6 @@ logical axis names in the ``axes`` metadata; no mesh is named here.
 """
 from __future__ import annotations
 
-import logging
 import math
 from typing import Any, Optional
 
@@ -21,8 +20,6 @@ from jaxtrain.kernels import cpu_fused, cpu_matmul, cpu_norm, target
 from jaxtrain.parallel import offload
 from jaxtrain.parallel.activations import active_sharding, devices_along
 from jaxtrain.runtime import once
-
-log = logging.getLogger("jaxtrain")
 
 MATMULS = ("auto", "xla", "cpu_fused")
 # model.matmul=auto takes the fused kernel for products of fewer FLOPs only. Measured on a 2-core Intel
@@ -121,11 +118,8 @@ def matmul_choice(implementation: str, x: jax.Array, w: jax.Array) -> str:
     if why is None and 2 * x.shape[0] * x.shape[1] * w.shape[1] >= AUTO_MAX_FLOPS:
         why = (f"a {list(x.shape)} x {list(w.shape)} product: {AUTO_MAX_FLOPS / 1e6:.0f} MFLOP or more, where "
                f"XLA's dots are as fast")
-    choice, reason = ("xla", f"cpu_fused: {why}") if why else (
-        "cpu_fused", f"backend cpu, one device, float32, products under {AUTO_MAX_FLOPS / 1e6:.0f} MFLOP")
-    if once.decided(_logged, "model.matmul", choice, reason):
-        log.info("model.matmul=auto -> %s (%s)", choice, reason)
-    return choice
+    return once.auto_kernel(_logged, "model.matmul", why, "xla",
+                            f"backend cpu, one device, float32, products under {AUTO_MAX_FLOPS / 1e6:.0f} MFLOP")
 
 
 def fused_mlp(implementation: str, x: jax.Array, w_gate: jax.Array) -> bool:

@@ -38,7 +38,6 @@ mesh: it calls :func:`routed_experts`, which reads the active rules.
 """
 from __future__ import annotations
 
-import logging
 import math
 from typing import Optional
 
@@ -53,8 +52,6 @@ from jaxtrain.kernels.grouped_cpu import inverse_permutation, permute_rows, wind
 from jaxtrain.parallel import pipeline
 from jaxtrain.parallel.activations import active_sharding
 from jaxtrain.runtime import once
-
-log = logging.getLogger("jaxtrain")
 
 GROUPED = ("auto", "ragged_dot", "blocks", "windows", "cpu_fused")  # model.grouped_matmul
 _logged: set = set()
@@ -76,11 +73,8 @@ def grouped_impl(grouped: str, backend: str, fused_problem: Optional[str] = None
         return grouped
     if backend != "cpu":
         return "ragged_dot"
-    choice, reason = ("windows", f"cpu_fused: {fused_problem}") if fused_problem else (
-        "cpu_fused", "backend cpu, float32, the kernels built")
-    if once.decided(_logged, "model.grouped_matmul", choice, reason):
-        log.info("model.grouped_matmul=auto -> %s (%s)", choice, reason)
-    return choice
+    return once.auto_kernel(_logged, "model.grouped_matmul", fused_problem, "windows",
+                            "backend cpu, float32, the kernels built")
 
 
 def fused_grouped_problem(rows: jax.Array, w_gate, w_up, w_down) -> Optional[str]:

@@ -8,8 +8,11 @@ starts). So the check and the add are one step under a lock.
 """
 from __future__ import annotations
 
+import logging
 import threading
-from typing import Hashable
+from typing import Hashable, Optional
+
+log = logging.getLogger("jaxtrain")
 
 _lock = threading.Lock()
 _decided: dict[str, dict[str, list[str]]] = {}  # key -> {choice: [reasons]}, in the order first met
@@ -29,6 +32,16 @@ def decided(seen: set, key: str, choice: str, reason: str) -> bool:
     resolve to several: the matmul per product); True the first time this process meets the pair (log it)."""
     _record(key, choice, reason)
     return first(seen, (choice, reason))
+
+
+def auto_kernel(seen: set, key: str, problem: Optional[str], fallback: str, fits: str) -> str:
+    """What ``auto`` resolves ``key`` to where jaxtrain's kernel is one choice: 'cpu_fused' where ``problem``
+    (why the kernel cannot take it) is None, for the reason ``fits``, else ``fallback``; recorded, and
+    logged once per reason."""
+    choice, reason = (fallback, f"cpu_fused: {problem}") if problem else ("cpu_fused", fits)
+    if decided(seen, key, choice, reason):
+        log.info("%s=auto -> %s (%s)", key, choice, reason)
+    return choice
 
 
 def _record(key: str, choice: str, reason: str) -> None:

@@ -7,7 +7,6 @@ compiled step (in the process, and from the persistent compile cache across runs
 """
 from __future__ import annotations
 
-import logging
 from typing import Any, Optional
 
 import jax
@@ -18,7 +17,6 @@ from jaxtrain.config import Config
 from jaxtrain.errors import ConfigError
 from jaxtrain.runtime import once
 
-log = logging.getLogger("jaxtrain")
 _logged: set = set()
 
 HYPERPARAMETERS = ("lr", "min_lr", "warmup_steps", "decay_steps", "b1", "b2", "eps", "weight_decay", "clip_norm")
@@ -111,11 +109,8 @@ def implementation(choice: str, problem: Optional[str]) -> str:
         if problem:
             raise ConfigError(f"optimizer.implementation=cpu_fused cannot run here: {problem} (use auto or xla)")
         return "cpu_fused"
-    resolved, reason = ("xla", f"cpu_fused: {problem}") if problem else (
-        "cpu_fused", "backend cpu, one device, float32 state")
-    if once.decided(_logged, "optimizer.implementation", resolved, reason):
-        log.info("optimizer.implementation=auto -> %s (%s)", resolved, reason)
-    return resolved
+    return once.auto_kernel(_logged, "optimizer.implementation", problem, "xla",
+                            "backend cpu, one device, float32 state")
 
 
 def _clip(max_norm, norm) -> optax.GradientTransformation:

@@ -60,7 +60,8 @@ def shape_problem(rows: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: j
     w_down [E, mlp, embed]; all float32."""
     arrays = {"rows": rows, "w_gate": w_gate, "w_up": w_up, "w_down": w_down}
     if any(a.dtype != jnp.float32 for a in arrays.values()):
-        return "operands of " + ", ".join(f"{k} {a.dtype}" for k, a in arrays.items()) + " (it computes float32)"
+        dtypes = ", ".join(f"{k} {a.dtype}" for k, a in arrays.items())
+        return f"operands of {dtypes}; it takes float32 (model.dtype=float32)"
     d = rows.shape[-1]
     e, f = (w_gate.shape[0], w_gate.shape[2]) if w_gate.ndim == 3 else (0, 0)
     if rows.ndim != 2 or w_gate.shape != (e, d, f) or w_up.shape != (e, d, f) or w_down.shape != (e, f, d):

@@ -27,7 +27,7 @@ def shape_problem(x: jax.Array, w: jax.Array) -> Optional[str]:
     if x.ndim != 2 or w.ndim != 2:
         return f"operands of ranks {x.ndim} and {w.ndim} (it takes 2-D)"
     if x.dtype != jnp.float32 or w.dtype != jnp.float32:
-        return f"operands of {x.dtype} and {w.dtype}, where it computes float32 (model.dtype float32)"
+        return f"operands of {x.dtype} and {w.dtype}; it takes float32 (model.dtype=float32)"
     return None
 
 

@@ -313,14 +313,19 @@ def build(cfg: Config, mesh: Mesh, rules: Rules, model_spec: ModelSpec) -> StepF
         """Every validation batch in one program (a scan): one dispatch per evaluation, so a long
         validation set never floods the devices' queue (XLA:CPU deadlocks on ~100 unread multi-device
         programs in flight); the per-batch values come back for the host's float64 weighted mean.
-        On one device, small batches go through the scan in groups (see :func:`eval_group`)."""
+        On one device, small batches go through the scan in groups (see :func:`eval_group`), or one at a
+        time where the model has an op JAX cannot vmap."""
         n = jax.tree_util.tree_leaves(batches)[0].shape[0]
         g = eval_group(n, cfg.micro_batch * cfg.data.seq_len) if side_by_side else 1
-        if g == 1:
-            return jax.lax.scan(lambda carry, b: (carry, eval_fn(params, b)), None, batches)[1]
-        grouped = jax.tree_util.tree_map(lambda x: x.reshape(n // g, g, *x.shape[1:]), batches)
-        out = jax.lax.scan(lambda carry, b: (carry, jax.vmap(eval_fn, (None, 0))(params, b)), None, grouped)[1]
-        return jax.tree_util.tree_map(lambda x: x.reshape(n, *x.shape[2:]), out)
+        if g > 1:
+            grouped = jax.tree_util.tree_map(lambda x: x.reshape(n // g, g, *x.shape[1:]), batches)
+            try:
+                out = jax.lax.scan(lambda carry, b: (carry, jax.vmap(eval_fn, (None, 0))(params, b)), None,
+                                   grouped)[1]
+                return jax.tree_util.tree_map(lambda x: x.reshape(n, *x.shape[2:]), out)
+            except NotImplementedError:  # an op JAX cannot vmap (JAX 0.10's ragged_dot): one batch at a time
+                pass
+        return jax.lax.scan(lambda carry, b: (carry, eval_fn(params, b)), None, batches)[1]
 
     def apply(params, inputs):
         with offloading():

@@ -62,7 +62,8 @@ def test_auto_takes_the_kernels_where_they_run_and_says_why_not_elsewhere(caplog
             assert moe.fused_grouped_problem(rows, w, w, wd) is None
             assert moe.grouped_impl("auto", "cpu", None) == "cpu_fused"
             half = moe.fused_grouped_problem(rows.astype(jnp.bfloat16), w, w, wd)
-    assert half == "operands of rows bfloat16, w_gate float32, w_up float32, w_down float32 (it computes float32)"
+    assert half == ("operands of rows bfloat16, w_gate float32, w_up float32, w_down float32; it takes float32 "
+                    "(model.dtype=float32)")
     assert moe.grouped_impl("auto", "gpu", None) == "ragged_dot" and moe.grouped_impl("windows", "cpu") == "windows"
     assert once.decisions()["model.grouped_matmul"] == {
         "windows": [f"cpu_fused: {outside}"], "cpu_fused": ["backend cpu, float32, the kernels built"]}
@@ -81,3 +82,22 @@ def test_an_explicit_cpu_fused_outside_the_trainers_sharding_is_a_named_error():
         jax.jit(lambda m, v: m(v))(moe_layer, x)
     assert str(e.value) == (f"model.grouped_matmul=cpu_fused cannot run here: outside the trainer's sharding "
                             f"context on {jax.device_count()} devices (use auto or windows)")
+
+
+@pytest.mark.parametrize("grouped", ["ragged_dot", "cpu_fused"])
+def test_a_one_device_evaluation_runs_models_jax_cannot_vmap_one_batch_at_a_time(small_cfg, grouped):
+    """On one device the evaluation runs small batches side by side (a vmap); JAX 0.10 cannot vmap
+    ragged_dot as the dropless path uses it, and the run died at its first evaluation (found by a new user).
+    Now those go one by one, with the per-batch values of one eval_step each."""
+    from jaxtrain.train import setup
+    from jaxtrain.train.step import eval_group
+    from jaxtrain.train.trainer import put_validation
+    cfg = small_cfg("model.family=mixtral", "model.n_experts=4", f"model.grouped_matmul={grouped}",
+                    "train.eval_batches=4", "mesh.data=1")
+    s = setup(cfg, jax.devices()[:1], load_data=True)
+    assert s.mesh.size == 1 and eval_group(4, cfg.micro_batch * cfg.data.seq_len) == 4  # grouped, where it can
+    params, val = s.fns.init()["params"], put_validation(s.data.val, s.fns.batch_sharding)
+    scanned = jax.device_get(s.fns.evaluate(params, val))
+    for i in range(4):
+        one = jax.device_get(s.fns.eval_step(params, {k: v[i] for k, v in val.items()}))
+        assert scanned["loss"][i] == pytest.approx(float(one["loss"]), rel=1e-6)

@@ -115,8 +115,8 @@ def test_auto_picks_the_kernel_on_one_cpu_device_for_float32_and_says_why_not_el
     assert "model.matmul=auto -> cpu_fused (backend cpu, one device, float32, products under 256 MFLOP)" in caplog.text
     assert ("model.matmul=auto -> xla (cpu_fused: a [2048, 512] x [512, 128] product: 256 MFLOP or more, where XLA's "
             "dots are as fast)") in caplog.text
-    assert ("model.matmul=auto -> xla (cpu_fused: operands of bfloat16 and bfloat16, where it computes float32 "
-            "(model.dtype float32))") in caplog.text
+    assert ("model.matmul=auto -> xla (cpu_fused: operands of bfloat16 and bfloat16; it takes float32 "
+            "(model.dtype=float32))") in caplog.text
     assert "model.matmul=auto -> xla (cpu_fused: runs on one device, here 2)" in caplog.text
 
 
@@ -128,7 +128,7 @@ def test_an_explicit_choice_that_cannot_run_is_a_named_error():
     with pytest.raises(ConfigError) as e:
         layers.matmul_choice("mkl", x, w)
     assert str(e.value) == "model.matmul: unknown implementation 'mkl' (known: auto, xla, cpu_fused)"
-    with pytest.raises(ValueError, match=r"model.matmul=cpu_fused: operands of bfloat16 and float32, where"):
+    with pytest.raises(ValueError, match=r"model.matmul=cpu_fused: operands of bfloat16 and float32; it takes float32"):
         cpu_matmul.matmul(x.astype(jnp.bfloat16), w)
 
 

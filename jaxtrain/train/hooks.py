@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from jaxtrain.checkpoint.checkpointer import Checkpointer
+from jaxtrain.errors import CheckpointError, PeerSaveError, SaveTimeoutError, StorageError
 from jaxtrain.metrics import flops, memory
 from jaxtrain.metrics.profile import StepProfiler
 from jaxtrain.runtime import signals
@@ -284,6 +285,19 @@ class Checkpointing(Hook):
     def on_end(self, loop: TrainLoop, ok: bool) -> None:
         if ok:
             self.ckpt.close()
+        elif commits_after(loop.failure):
+            # A run that failed elsewhere (an evaluation, a hook) still commits the save it had started,
+            # as a diverged one does: bounded by checkpoint.save_timeout_s; the failure is what is raised.
+            self.ckpt.wait()
+
+
+def commits_after(failure: Optional[BaseException]) -> bool:
+    """Whether a run ended by ``failure`` waits for its checkpoint save in flight: an ordinary error in one
+    process, not the checkpointer's own (a save that failed or timed out), a forced stop (KeyboardInterrupt)
+    or one of many processes (whose peers may not be there to agree on the commit)."""
+    return (isinstance(failure, Exception) and not isinstance(failure, (CheckpointError, SaveTimeoutError,
+                                                                         StorageError, PeerSaveError))
+            and jax.process_count() == 1)
 
 
 class Profile(Hook):

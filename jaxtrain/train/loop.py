@@ -251,6 +251,7 @@ class TrainLoop:
     paused: dict = field(default_factory=lambda: {"evaluation": 0.0, "checkpoint": 0.0})
     last_eval: dict = field(default_factory=dict)  # {'step', 'val_loss', ...} of the latest evaluation
     record: Optional[StepRecord] = None  # the latest step's, after every hook ran
+    failure: Optional[BaseException] = None  # what ended run() early, for the hooks' on_end
     # fn(loop, step), called as an evaluation starts, just before its program is dispatched (e.g.
     # Checkpointing starts the last step's save then, so Orbax writes while the devices evaluate); the
     # time it takes is its own to add to ``paused``, not the evaluation's.
@@ -371,6 +372,9 @@ class TrainLoop:
                 if rec.stop:
                     break
             ok = True
+        except BaseException as err:
+            self.failure = err
+            raise
         finally:
             if isinstance(self.batches, Lookahead):
                 self.batches.close()

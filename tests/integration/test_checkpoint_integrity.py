@@ -16,7 +16,7 @@ from conftest import REPO, SMALL
 from jaxtrain.checkpoint import checkpointer as ckptlib
 from jaxtrain.config import load
 from jaxtrain.errors import CorruptCheckpointError
-from jaxtrain.train import fit, setup
+from jaxtrain.train import Hook, fit, setup
 
 
 def _files(step_dir: Path) -> dict[str, Path]:
@@ -149,3 +149,28 @@ def test_a_stuck_save_times_out_with_exit_4_and_the_last_commit_intact(tmp_path,
     assert list(ckpt.committed()) == [1] and [name.split(".")[0] for name in ckpt.removed] == ["2"]
     assert sorted(p.name for p in ck.iterdir()) == ["1"]
     ckpt.close()
+
+
+class FailsAfterSaving(Hook):
+    """Raises in step ``at``'s after_step, once Checkpointing (whose output it reads) started that step's save."""
+    reads = ("committed",)
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def after_step(self, loop, rec):
+        if rec.step == self.at:
+            raise RuntimeError("a hook failed")
+
+
+def test_a_run_that_fails_elsewhere_still_commits_the_save_it_had_started(small_cfg):
+    """The save of step 4 is in flight (Orbax writes asynchronously) when another hook raises: the run
+    waits for it as a diverged run does, then raises the hook's error; a resume starts from step 4."""
+    dev = jax.devices()[:1]
+    cfg = small_cfg("train.steps=6", "checkpoint.every=2", "mesh.data=1")
+    with pytest.raises(RuntimeError, match="^a hook failed$"):
+        fit(cfg, devices=dev, quiet=True, hooks=[FailsAfterSaving(4)])
+    ck = Path(cfg.run.dir) / "checkpoints"
+    assert sorted(p.name for p in ck.iterdir()) == ["2", "4"]  # committed, no unfinished save left
+    assert (ck / "4" / ckptlib.MARKER).is_file()
+    assert fit(cfg, devices=dev, quiet=True).start_step == 4

@@ -58,7 +58,7 @@ def expand(path: str) -> list[str]:
     """Files named by a path or glob (``stdlib``: this interpreter's Lib/*.py), sorted.
 
     Raises:
-      DataError: a directory, or a glob that matches no file.
+      DataError: a directory, a path that is not a regular file (a FIFO...), or a glob that matches no file.
     """
     if path == "stdlib":
         pattern = os.path.join(sysconfig.get_paths()["stdlib"], "*.py")
@@ -76,8 +76,13 @@ def expand(path: str) -> list[str]:
         pattern = os.path.expanduser(path)
     if os.path.isdir(pattern):
         raise DataError(f"data.path: '{path}' is a directory; give a file or a glob such as '{path}/*.txt'")
-    files = sorted(p for p in glob.glob(pattern) if os.path.isfile(p))
+    matches = glob.glob(pattern)
+    files = sorted(p for p in matches if os.path.isfile(p))
     if not files:
+        odd = [p for p in matches if not os.path.isdir(p)]  # a FIFO, socket or device: reading it may block
+        if odd:
+            raise DataError(f"data.path: '{odd[0]}' is not a regular file (a pipe, socket or device); "
+                            f"give a file or a glob of files")
         raise DataError(f"data.path: no file matches '{path}'")
     return files
 

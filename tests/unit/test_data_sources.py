@@ -1,5 +1,6 @@
 """Document sources, tokenizers (byte/char/HF BPE/SentencePiece) and bad-data handling."""
 import json
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -85,6 +86,16 @@ def test_glob_matching_nothing_and_tiny_source_are_named(tmp_path):
     with pytest.raises(DataError, match=r"gives 2 training rows of data.seq_len=16 per epoch, fewer than one "
                                         r"batch \(train.global_batch=4\)"):
         datalib.load(cfg_of(f"data.path={path}"))
+
+
+def test_a_path_that_is_not_a_regular_file_is_named(tmp_path):
+    """A FIFO was reported as 'no file matches' its own path; reading one would block until a writer came."""
+    fifo = tmp_path / "feed"
+    os.mkfifo(fifo)
+    with pytest.raises(DataError) as err:
+        datalib.load(cfg_of(f"data.path={fifo}"))
+    assert str(err.value) == (f"data.path: '{fifo}' is not a regular file (a pipe, socket or device); give a file "
+                              f"or a glob of files")
 
 
 def test_empty_files_are_skipped_and_counted(tmp_path):

@@ -138,8 +138,8 @@ def choose(implementation: str, q, k, segment_ids=None, window=None, backend: Op
     length_split = devices_along(q.shape, ("batch", "length", "heads", "kv"), 1) > 1
     if implementation == "blockwise" and length_split:
         if once.first(_logged, ("blockwise", "sharded")):
-            log.warning("model.attention=blockwise with the length split over devices: the query blocks "
-                        "cut across devices and XLA moves them between devices (use ring or xla)")
+            once.say(log, logging.WARNING, "model.attention=blockwise with the length split over devices: the query "
+                     "blocks cut across devices and XLA moves them between devices (use ring or xla)")
     if implementation != "auto":
         return implementation
     if backend == "gpu":
@@ -155,7 +155,7 @@ def choose(implementation: str, q, k, segment_ids=None, window=None, backend: Op
         why = fused_problem(q, k, segment_ids, window)
         choice, reason = ("cpu_fused", f"backend {backend}") if why is None else ("blockwise", why)
     if once.decided(_logged, "model.attention", choice, reason):
-        log.info("model.attention=auto -> %s (%s)", choice, reason)
+        once.say(log, logging.INFO, f"model.attention=auto -> {choice} ({reason})")
     return choice
 
 

@@ -51,6 +51,7 @@ def _single_device_only(computation, devices, compile_options, *args, **kwargs):
 _compiler._resolve_compilation_strategy = _single_device_only
 
 from jaxtrain import config as cfglib  # noqa: E402
+from jaxtrain.runtime import once  # noqa: E402
 
 SHAKESPEARE = Path(os.environ.get("JAXTRAIN_SHARED", REPO.parent / "shared")) / "data" / "tinyshakespeare.txt"
 
@@ -61,6 +62,13 @@ SMALL = [
     "train.eval_every=1000", "train.eval_batches=2", "train.sample_tokens=8", "optimizer.warmup_steps=5",
     "run.progress=false",
 ]
+
+
+@pytest.fixture(autouse=True)
+def lines_said_afresh():
+    """jaxtrain says each of its auto lines once per process (jaxtrain.runtime.once.say); a test whose
+    module sets are cleared to see a line again starts as a new process would."""
+    once._said.clear()
 
 
 @pytest.fixture(scope="session")

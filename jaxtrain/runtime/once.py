@@ -16,6 +16,7 @@ log = logging.getLogger("jaxtrain")
 
 _lock = threading.Lock()
 _decided: dict[str, dict[str, list[str]]] = {}  # key -> {choice: [reasons]}, in the order first met
+_said: set[str] = set()  # the lines said through say() by this process
 
 
 def first(seen: set, item: Hashable) -> bool:
@@ -34,13 +35,33 @@ def decided(seen: set, key: str, choice: str, reason: str) -> bool:
     return first(seen, (choice, reason))
 
 
+def say(logger: logging.Logger, level: int, message: str) -> bool:
+    """``logger.log(level, message)`` unless this process said ``message`` through here already; True if
+    said. Why: a program loaded from jaxtrain's program cache repeats the lines its tracing said
+    (``jaxtrain.train.program_cache``), and this process's tracing of another program may say them too:
+    both printed them (seen on warm starts where one program was cached and another was not)."""
+    with _lock:
+        if message in _said:
+            return False
+        _said.add(message)
+    logger.log(level, message)
+    return True
+
+
+def mark_said(messages) -> None:
+    """Counts ``messages`` as said by this process (lines its tracing printed, which a loaded program's
+    stored lines repeat)."""
+    with _lock:
+        _said.update(messages)
+
+
 def auto_kernel(seen: set, key: str, problem: Optional[str], fallback: str, fits: str) -> str:
     """What ``auto`` resolves ``key`` to where jaxtrain's kernel is one choice: 'cpu_fused' where ``problem``
     (why the kernel cannot take it) is None, for the reason ``fits``, else ``fallback``; recorded, and
     logged once per reason."""
     choice, reason = (fallback, f"cpu_fused: {problem}") if problem else ("cpu_fused", fits)
     if decided(seen, key, choice, reason):
-        log.info("%s=auto -> %s (%s)", key, choice, reason)
+        say(log, logging.INFO, f"{key}=auto -> {choice} ({reason})")
     return choice
 
 

@@ -221,7 +221,7 @@ def compiled(s: Any, name: str, fn: Callable, args: tuple, out_shardings: Callab
         except Exception as err:  # noqa: BLE001 - e.g. a custom call jax.export refuses: jit compiles it
             _unexportable(entry, name, err)
             return None
-        _said.update(m for _, m in lines)  # printed while it was traced
+        once.mark_said(m for _, m in lines)  # printed while it was traced
         _store(entry, name, exp, out, refs, lines)
     shaped = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out),
                                           [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in exp.out_avals])
@@ -364,16 +364,16 @@ def _traced_lines():
         log.removeHandler(handler)
 
 
-_said: set = set()  # the stored lines said by this process, each once
 _store_failed: list = []  # a failed store was reported (once per process)
 
 
 def _say(lines: Any) -> None:
+    """Says the lines a loaded program's tracing said, each once per process (:func:`once.say`: also not
+    where this process's own tracing said it)."""
     for item in lines if isinstance(lines, list) else ():
         level, message = item if isinstance(item, list) and len(item) == 2 else (0, None)
-        if isinstance(level, int) and isinstance(message, str) and message not in _said:
-            _said.add(message)
-            log.log(level, message)
+        if isinstance(level, int) and isinstance(message, str):
+            once.say(log, level, message)
 
 
 def _store(entry: Path, name: str, exp: Any, out: Any, refs: dict, lines: list) -> None:

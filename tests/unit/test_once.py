@@ -34,3 +34,20 @@ def test_a_runs_decisions_are_kept_for_its_run_directory_and_merged_from_a_loade
                                 "model.attention": {"cpu_fused": ["backend cpu"]}}
     once.forget()
     assert once.decisions() == {}
+
+
+def test_a_line_is_said_once_whichever_path_says_it_first(caplog):
+    """A warm start that loaded one program from the cache and traced another printed each auto line twice:
+    once from the tracing, once as the loaded program's stored line (seen by a new user)."""
+    import logging
+
+    from jaxtrain.train import program_cache
+    line = "model.matmul=auto -> xla (cpu_fused: a reason)"
+    log = logging.getLogger("jaxtrain")
+    with caplog.at_level(logging.INFO, logger="jaxtrain"):
+        assert once.say(log, logging.INFO, line) and not once.say(log, logging.INFO, line)
+        program_cache._say([[logging.INFO, line], [logging.INFO, "a stored line"]])  # a loaded program's
+        program_cache._say([[logging.INFO, "a stored line"]])
+        once.mark_said(["traced elsewhere"])
+        program_cache._say([[logging.INFO, "traced elsewhere"]])
+    assert [r.getMessage() for r in caplog.records] == [line, "a stored line"]

@@ -135,7 +135,7 @@ def test_a_loaded_program_says_the_lines_its_tracing_printed(small_cfg, cache, m
     monkeypatch.setattr(optimizer, "_logged", Said())
     try:
         monkeypatch.setattr(attention, "_logged", set())  # as in a new process
-        monkeypatch.setattr(program_cache, "_said", set())
+        monkeypatch.setattr(once, "_said", set())
         once.forget()  # as a run's start does
         jax.clear_caches()  # the blocks' traces of earlier tests would be reused: attention not traced again
         s = _setup(small_cfg)
@@ -146,7 +146,7 @@ def test_a_loaded_program_says_the_lines_its_tracing_printed(small_cfg, cache, m
         assert meta["resolved"]["model.attention"] == {"cpu_fused": ["backend cpu"]}  # for the run's resolved.json
         lines.clear()
         monkeypatch.setattr(attention, "_logged", set())  # the next run: a new process
-        monkeypatch.setattr(program_cache, "_said", set())
+        monkeypatch.setattr(once, "_said", set())
         once.forget()
         assert _evaluation(s, 2).loaded is True and _evaluation(s, 2).loaded is True
         assert lines == [said]

@@ -45,9 +45,11 @@ import jax.numpy as jnp
 import numpy as np
 from _bench import append_result_rows, commit, hardware
 
-from jaxtrain.kernels import cpu_fused, cpu_grouped, cpu_mlp
-from jaxtrain.kernels.grouped_blocks import blocked_swiglu
-from jaxtrain.kernels.grouped_cpu import windowed_swiglu
+from jaxtrain.kernels.cpu import grouped as cpu_grouped
+from jaxtrain.kernels.cpu import library as cpu_fused
+from jaxtrain.kernels.cpu import mlp as cpu_mlp
+from jaxtrain.kernels.xla.grouped_blocks import blocked_swiglu
+from jaxtrain.kernels.xla.grouped_windows import windowed_swiglu
 
 TOKENS, D_MODEL, D_FF, N_EXP, TOP_K = 1024, 128, 192, 8, 2
 HEADER = "| date (UTC) | hardware | commit | case | ms (fwd+bwd, median) | vs dense 2-D | max rel. diff |"

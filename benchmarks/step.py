@@ -40,8 +40,10 @@ from _bench import (
 )
 
 from jaxtrain import config as cfglib  # noqa: E402
+from jaxtrain.kernels import hooks as provider_hooks  # noqa: E402
+from jaxtrain.kernels.cpu.peak import xla_matmul_peak  # noqa: E402
 from jaxtrain.metrics import flops  # noqa: E402
-from jaxtrain.runtime import cpu_dispatch, host_memory, xla_flags  # noqa: E402
+from jaxtrain.runtime import host_memory, xla_flags  # noqa: E402
 from jaxtrain.train import setup  # noqa: E402
 from jaxtrain.train.step import count_params  # noqa: E402
 
@@ -49,7 +51,7 @@ from jaxtrain.train.step import count_params  # noqa: E402
 def matmul_peak(dtype: str) -> float:
     """Measured matmul FLOP/s now: 2048^3 on CPU, 8192^3 on accelerators (best of 5)."""
     n = 2048 if jax.devices()[0].platform == "cpu" else 8192
-    return flops.calibrate_cpu_flops(n=n, dtype=dtype) if n == 2048 else _accel_matmul(n, dtype)
+    return xla_matmul_peak(n=n, dtype=dtype) if n == 2048 else _accel_matmul(n, dtype)
 
 
 def _accel_matmul(n: int, dtype: str) -> float:
@@ -68,14 +70,16 @@ def _accel_matmul(n: int, dtype: str) -> float:
 def as_the_trainer_runs() -> None:
     """The process settings ``python -m jaxtrain.train`` makes before JAX starts, so that the step
     timed here is the step the trainer runs: XLA's GPU and CPU default flags (``JAXTRAIN_XLA_GPU_FLAGS=0``,
-    ``JAXTRAIN_XLA_CPU_FLAGS=0``: none), and one-device CPU programs run inline
-    (``JAXTRAIN_CPU_ASYNC_DISPATCH=1``: asynchronously). The last matters beyond the dispatch: a program
+    ``JAXTRAIN_XLA_CPU_FLAGS=0``: none), and the kernel providers' settings for a single process before
+    the backend starts (the ``cpu`` provider: one-device CPU programs run inline;
+    ``JAXTRAIN_CPU_ASYNC_DISPATCH=1``: asynchronously). The last matters beyond the dispatch: a program
     run on JAX's runtime thread gets its temporaries from a glibc thread arena, which cannot hold more
     than 64 MiB, so larger ones are mapped and faulted in afresh on every step (the 25M step's ~1 GiB:
     2.65-2.82 s a step against 2.24-2.33 s inline, 2-core AMD EPYC)."""
     xla_flags.apply_gpu_defaults()
     xla_flags.apply_cpu_defaults()
-    cpu_dispatch.run_inline()
+    for hook in provider_hooks.hooks(plugins=False):
+        hook.before_backend(None, True)
 
 
 class JaxBench:

@@ -51,7 +51,6 @@ def _single_device_only(computation, devices, compile_options, *args, **kwargs):
 _compiler._resolve_compilation_strategy = _single_device_only
 
 from jaxtrain import config as cfglib  # noqa: E402
-from jaxtrain.runtime import once  # noqa: E402
 
 SHAKESPEARE = Path(os.environ.get("JAXTRAIN_SHARED", REPO.parent / "shared")) / "data" / "tinyshakespeare.txt"
 
@@ -62,13 +61,6 @@ SMALL = [
     "train.eval_every=1000", "train.eval_batches=2", "train.sample_tokens=8", "optimizer.warmup_steps=5",
     "run.progress=false",
 ]
-
-
-@pytest.fixture(autouse=True)
-def lines_said_afresh():
-    """jaxtrain says each of its auto lines once per process (jaxtrain.runtime.once.say); a test whose
-    module sets are cleared to see a line again starts as a new process would."""
-    once._said.clear()
 
 
 @pytest.fixture(scope="session")
@@ -162,10 +154,26 @@ def put_windows(windows, sharding):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Marks every test that starts or uses a real server (S3, GCS, MLflow, SLURM) ``servers``."""
+    """Marks every test that starts or uses a real server (S3, GCS, MLflow, SLURM) ``servers``, and skips
+    the ``kernels`` tests, saying why, where no C++ compiler runs (a compiler whose build fails fails them)."""
     for item in items:
         if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.servers)
+    kernel_items = [item for item in items if item.get_closest_marker("kernels")]
+    why = no_compiler() if kernel_items else None
+    for item in kernel_items if why else ():
+        item.add_marker(pytest.mark.skip(reason=f"the XLA:CPU kernels need a C++ compiler: {why}"))
+
+
+def no_compiler():
+    """Why ``$CXX`` (default ``c++``, as the kernels' build runs it) cannot compile, or None."""
+    import shlex
+    compiler = shlex.split(os.environ.get("CXX") or "c++") or ["c++"]
+    try:
+        done = subprocess.run([*compiler, "--version"], capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as err:
+        return f"CXX={' '.join(compiler)} cannot be run ({err})"
+    return None if done.returncode == 0 else f"CXX={' '.join(compiler)} --version exits {done.returncode}"
 
 
 _SESSION_SERVERS: dict = {}

@@ -25,8 +25,8 @@ from jaxtrain.cli.common import (
     prog,
     start_backend,
 )
-from jaxtrain.metrics import peak_cache
-from jaxtrain.runtime import cpu_dispatch, imports, signals, xla_flags
+from jaxtrain.kernels import hooks as provider_hooks
+from jaxtrain.runtime import signals, xla_flags
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -43,9 +43,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # torchtitan disables it at its trainer's start too): imports and tracing make millions of
     # long-lived objects, and the full collections they set off took ~0.1-0.3 s of a 4 s start.
     # train.gc_every=0 turns it back on once the config is read; a main() called in-process
-    # leaves the collector and the peak cache as it found them.
+    # leaves the collector and the providers' hooks as it found them.
     collecting = gc.isenabled()
     gc.disable()
+    hooks = provider_hooks.hooks(plugins=False)  # the kernel providers' start-up hooks (before JAX is imported)
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
 
@@ -53,36 +54,34 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             # Before JAX starts its backend (XLA reads XLA_FLAGS then); a bad opt-out value is exit 2.
             xla_flags.apply_gpu_defaults()  # nothing on a machine without CUDA
             xla_flags.apply_cpu_defaults()  # XLA:CPU's own dot kernels, not YNNPACK's (see xla_flags)
-            peak_cache.enable()  # the CPU matmul peak MFU divides by, measured once a day per host
+            for hook in hooks:
+                hook.command_start()
             log_to_console()
-            with imports.lean():  # the JAX stack without two import-time scans a command needs not
+            with provider_hooks.lean_imports(hooks):  # the JAX stack as lean as the providers make it
                 from jaxtrain.config import load
                 from jaxtrain.runtime import heartbeat, join
-                from jaxtrain.train import prefetch, program_cache
-            program_cache.enable()  # exported init, train step and evaluation: a warm start traces none
             signals.check_startup()
-            with imports.lean():  # the model family's module, and with it Flax, is imported here
+            with provider_hooks.lean_imports(hooks):  # the model family's module, and with it Flax, is imported here
                 cfg = load(args.config, args.overrides)
             if not cfg.train.gc_every and collecting:
                 gc.enable()
-            if join.start(cfg.distributed) is None:  # before anything touches a device
-                cpu_dispatch.run_inline()  # one process: its one-device CPU programs run inline
+            single = join.start(cfg.distributed) is None  # before anything touches a device
+            for hook in hooks:
+                hook.before_backend(cfg, single)
             start_backend()
             import jax
             enable_compilation_cache(jax.devices())  # not over several CPU devices: see its docstring
-            prefetch.start(cfg)  # a warm start's executables load beside the trainer's imports
-            with imports.lean():
+            for hook in provider_hooks.hooks():  # the installed plugins' too, now that the backend is up
+                hook.after_backend(cfg)
+            with provider_hooks.lean_imports(hooks):
                 from jaxtrain.train import fit
             signals.check_startup()
             fit(cfg)
             heartbeat.end_run()
         return cli(body)
     finally:
-        peak_cache.disable()
-        if "jaxtrain.train.program_cache" in sys.modules:  # a main() called in-process: as it found it
-            sys.modules["jaxtrain.train.program_cache"].disable()
-        if "jaxtrain.train.prefetch" in sys.modules:
-            sys.modules["jaxtrain.train.prefetch"].stop()
+        for hook in hooks:
+            hook.command_end()
         if collecting:
             gc.enable()
 

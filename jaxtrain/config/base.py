@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
+
+from jaxtrain.errors import ConfigError
 
 if TYPE_CHECKING:  # annotations only: the schema imports this module
     from jaxtrain.config.schema import Config
@@ -15,6 +17,20 @@ MESH_AXES = ("data", "fsdp", "tensor", "sequence", "expert", "stage")
 SINKS = ("console", "jsonl", "tensorboard", "mlflow", "wandb")  # metrics.sinks (jaxtrain.metrics.sinks)
 DEFAULT_FAMILY = "llama"
 
+
+
+def implementation_key(op: str, field: str):
+    """A 'before' validator of ``field``, a kernel key of op ``op`` (``model.attention``, ...): its value
+    is ``auto`` or an implementation the kernel registry lists (``jaxtrain.kernels.registry``; a provider
+    another package registers adds its own)."""
+    def check(cls, value):
+        if isinstance(value, str):
+            from jaxtrain.kernels import registry
+            if not registry.known(op, value):
+                known = ", ".join(registry.names(op))
+                raise ConfigError(f"{registry.KEYS[op]}: unknown implementation '{value}' (known: {known})")
+        return value
+    return field_validator(field, mode="before")(classmethod(check))
 
 
 class Section(BaseModel):

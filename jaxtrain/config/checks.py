@@ -6,7 +6,7 @@ Every failure is a :class:`ConfigError` whose message starts with the dotted key
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from jaxtrain.config.base import MESH_AXES, SINKS
 from jaxtrain.errors import ConfigError
@@ -188,24 +188,48 @@ def check_against_mesh(cfg: "Config", axis_sizes: dict[str, int], platform: Opti
             f"grad_accum {cfg.train.grad_accum}) is not divisible by data*fsdp*expert = "
             f"{axis_sizes['data']}*{axis_sizes['fsdp']}*{axis_sizes['expert']} = {batch_div}")
     check_pipeline_against_mesh(cfg, axis_sizes)
-    if cfg.optimizer.implementation == "cpu_fused":
-        check_fused_update(cfg, axis_sizes, platform)
+    if platform is not None:
+        check_kernels(cfg, axis_sizes, platform)
     cfg.model.check_against_mesh(cfg, axis_sizes, platform)
 
 
-def check_fused_update(cfg: "Config", axis_sizes: dict[str, int], platform: Optional[str]) -> None:
-    """What ``optimizer.implementation=cpu_fused`` needs that the config shows, with the step's own words
-    (``jaxtrain.kernels.cpu_adamw.placement_problem``; the step also sees the state's dtypes and whether the
-    kernel built).
+def kernel_values(cfg: "Config") -> dict[str, str]:
+    """The configured implementation of each kernel op (``jaxtrain.kernels.registry.KEYS``) whose key the
+    config has (a custom model's section has none of the model's, a family without experts no
+    ``model.grouped_matmul``)."""
+    model_keys = {"attention": "attention", "matmul": "matmul", "grouped_matmul": "grouped_matmul"}
+    out = {op: getattr(cfg.model, key) for op, key in model_keys.items() if hasattr(cfg.model, key)}
+    return {**out, "optimizer": cfg.optimizer.implementation}
+
+
+def kernel_facts(cfg: "Config", axis_sizes: dict[str, int], platform: str, **known: Any) -> Any:
+    """What the config says of the kernels' run (:class:`jaxtrain.kernels.registry.Facts`): the backend,
+    devices, the model's dtype and attention sizes, the data's segment ids, what is offloaded; ``known``
+    adds or overrides facts the caller knows better (the run plan: the state's dtypes, the length split)."""
+    from jaxtrain.kernels.registry import Facts
+    m, family = cfg.model, cfg.model.family != "custom"
+    master, param_dtype = cfg.optimizer.master_weights, getattr(m, "param_dtype", None)
+    state = ("float32",) if master or param_dtype == "float32" else (param_dtype,) if param_dtype else ()
+    facts = dict(backend=platform, devices=math.prod(axis_sizes.values()), dtype=getattr(m, "dtype", None),
+                 state_dtypes=state, host_state=cfg.offload.optimizer == "host" or cfg.offload.params == "host",
+                 offloaded_activations=bool(cfg.offload.activations), seq_len=cfg.data.seq_len if family else None,
+                 head_dim=getattr(m, "head_dim", None), heads=getattr(m, "n_heads", None),
+                 kv_heads=getattr(m, "n_kv_heads", None), segment_ids=cfg.data.mode != "windows" if family else None)
+    return Facts(**{**facts, **known})
+
+
+def check_kernels(cfg: "Config", axis_sizes: dict[str, int], platform: str) -> None:
+    """Every explicit kernel choice (``model.attention``, ``model.matmul``, ``model.grouped_matmul``,
+    ``optimizer.implementation``) can run here, as far as the config shows (the run plan also asks
+    whether its library built).
 
     Raises:
-      ConfigError: naming the key to change.
+      ConfigError (AttentionBackendError for ``model.attention``): ``<key>=<value> cannot run here: <why>``.
     """
-    from jaxtrain.kernels.cpu_adamw import placement_problem
-    why = placement_problem(platform or "cpu", math.prod(axis_sizes.values()),
-                            cfg.offload.optimizer == "host" or cfg.offload.params == "host")
-    if why:
-        raise ConfigError(f"optimizer.implementation=cpu_fused cannot run here: {why} (use auto or xla)")
+    from jaxtrain.kernels import registry
+    facts = kernel_facts(cfg, axis_sizes, platform)
+    for op, value in kernel_values(cfg).items():
+        registry.check(op, value, facts)
 
 
 def check_pipeline_against_mesh(cfg: "Config", axis_sizes: dict[str, int]) -> None:

@@ -17,7 +17,15 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import Field, SerializeAsAny, field_validator, model_validator
 
-from jaxtrain.config.base import DEFAULT_FAMILY, MESH_AXES, SINKS, CustomModelConfig, ModelConfig, Section  # noqa: F401
+from jaxtrain.config.base import (  # noqa: F401
+    DEFAULT_FAMILY,
+    MESH_AXES,
+    SINKS,
+    CustomModelConfig,
+    ModelConfig,
+    Section,
+    implementation_key,
+)
 from jaxtrain.config.checks import check_consistency
 from jaxtrain.config.paths import normalize
 from jaxtrain.errors import ConfigError
@@ -120,11 +128,11 @@ class OptimizerConfig(Section):
     # moments, the model computing with the bf16 cast. false: pure bf16 training (updates below
     # a weight's bf16 resolution are lost; a warning is logged).
     master_weights: bool = True
-    # The step's guarded update (global norm, non-finite guard, clipping, AdamW): xla (XLA's ops),
-    # cpu_fused (one XLA:CPU kernel over every parameter, jaxtrain.kernels.cpu_adamw; torchtitan's
-    # optimizer.implementation=fused), or auto: cpu_fused on a one-device CPU run with float32 state
-    # where the kernels built, else xla
-    implementation: Literal["auto", "xla", "cpu_fused"] = "auto"
+    # The step's guarded update (global norm, non-finite guard, clipping, AdamW): auto, or an implementation
+    # the kernel registry lists (xla: optax's; a provider's one-kernel update, as torchtitan's
+    # optimizer.implementation=fused); auto picks per backend and run (resolved.json says which and why)
+    implementation: str = "auto"
+    _implementation = implementation_key("optimizer", "implementation")
 
 
 class OffloadConfig(Section):

@@ -1,4 +1,5 @@
-"""``python -m jaxtrain.data.prepare [--config FILE] [key=value ...] --out DIR``: tokenize once.
+"""Tokenize once: the token cache ``python -m jaxtrain.data.prepare [--config FILE] [key=value ...] --out DIR``
+writes (its command line: :mod:`jaxtrain.cli.prepare`).
 
 Reads ``data.path`` (text/JSONL/Parquet/ArrayRecord, as training would),
 tokenizes it with the configured tokenizer and BOS/EOS, and writes
@@ -14,18 +15,15 @@ different tokenizer is refused. A progress bar shows documents and tokens/s.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional, Sequence
 
 import numpy as np
 
-from jaxtrain.cli.common import cli, prog
 from jaxtrain.config import Config
 from jaxtrain.data import sources, store
 from jaxtrain.data.corpus import read_texts
@@ -90,14 +88,20 @@ def prepare(cfg: Config, out: str, docs_per_shard: int = 100_000, progress: bool
             "seconds": round(seconds, 3)}
     (local / store.CACHE_META).write_text(json.dumps(meta, indent=1))
     if remote:
-        dest = sources._epath(out)
-        dest.mkdir(parents=True, exist_ok=True)
-        for f in sorted(local.iterdir()):  # the index last: a reader never sees a partial cache
-            if f.name != store.CACHE_META:
-                (dest / f.name).write_bytes(f.read_bytes())
-        (dest / store.CACHE_META).write_text((local / store.CACHE_META).read_text())
-        shutil.rmtree(local)
+        _upload(local, out)
     return meta
+
+
+def _upload(local: Path, out: str) -> None:
+    """Copies the cache written in ``local`` to the remote ``out``, the index last (a reader never sees a
+    partial cache), then removes ``local``."""
+    dest = sources._epath(out)
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in sorted(local.iterdir()):
+        if f.name != store.CACHE_META:
+            (dest / f.name).write_bytes(f.read_bytes())
+    (dest / store.CACHE_META).write_text((local / store.CACHE_META).read_text())
+    shutil.rmtree(local)
 
 
 class _Progress:
@@ -141,31 +145,6 @@ def check_out(out: str) -> None:
                           f"or empty folder")
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog=prog("jaxtrain.data.prepare"),
-                                     description="Tokenize data.path once into an ArrayRecord token cache.")
-    parser.add_argument("--config", help="YAML config file or a name in configs/ (its data section is used)")
-    parser.add_argument("--out", required=True, help="output directory (local, gs:// or s3://)")
-    parser.add_argument("--docs-per-shard", type=int, default=100_000)
-    parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. data.path=corpus/*.jsonl")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-
-    def body() -> None:
-        from jaxtrain.config import load
-        from jaxtrain.config.paths import REMOTE, normalize
-        out = normalize("--out", args.out, REMOTE)
-        check_out(out)  # before any tokenizing
-        # The mode does not matter to a cache; packed lets BOS/EOS options validate.
-        cfg = load(args.config, ["data.mode=packed", *args.overrides])
-        meta = prepare(cfg, out, args.docs_per_shard, not args.no_progress)
-        rate = meta["tokens"] / max(meta["seconds"], 1e-9)
-        skipped = meta["stats"]["skipped_empty"] + meta["stats"]["skipped_short"]
-        print(f"wrote {args.out}: {meta['documents']} documents, {meta['tokens']} tokens in "
-              f"{len(meta['shards'])} shard(s), {rate:,.0f} tokens/s; skipped {skipped}, invalid UTF-8 replaced "
-              f"in {meta['stats']['invalid_utf8']}")
-    return cli(body)
-
-
-if __name__ == "__main__":
+if __name__ == "__main__":  # python -m jaxtrain.data.prepare: the command line lives in jaxtrain/cli/prepare.py
+    from jaxtrain.cli.prepare import main
     sys.exit(main())

@@ -19,13 +19,29 @@ import os
 import sysconfig
 import threading
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional, Protocol, Union, runtime_checkable
 
 from jaxtrain.errors import DataError
 
 REMOTE = ("gs://", "s3://")
 FORMATS = ("text", "jsonl", "parquet", "arrayrecord")
 Doc = Union[bytes, str]
+
+
+@runtime_checkable
+class DataSource(Protocol):
+    """A random-access document source: what ``open_source`` returns and what the data pipeline
+    (``jaxtrain.data.pipeline``) tokenizes, packs and windows. Grain's ``RandomAccessDataSource``
+    plus ``where``. ``__getitem__`` is called from Grain's reader threads: it must be thread-safe."""
+
+    def __len__(self) -> int:
+        """The number of documents."""
+
+    def __getitem__(self, i: int) -> Doc:
+        """Document ``i`` (0 <= i < len), as UTF-8 bytes or str."""
+
+    def where(self, i: int) -> str:
+        """Where document ``i`` comes from (file and line, row or byte), for error messages."""
 
 
 def is_remote(path: str) -> bool:
@@ -265,8 +281,13 @@ class ArrayRecordSource:
         return f"{', '.join(self.names[:2])}{'...' if len(self.names) > 2 else ''}: record {i}"
 
 
-def open_source(path: str, fmt: str = "auto", text_field: str = "text", separator: Optional[str] = None):
-    """The document source for ``path`` (a file or glob) in format ``fmt`` ('auto': by extension)."""
+def open_source(path: str, fmt: str = "auto", text_field: str = "text",
+                separator: Optional[str] = None) -> DataSource:
+    """The document source for ``path`` (a file or glob) in format ``fmt`` ('auto': by extension).
+
+    Raises:
+      DataError: no file matches, or a format that cannot be read.
+    """
     files = expand(path)
     kind = detect_format(files, fmt)
     if kind == "jsonl":

@@ -16,7 +16,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Protocol, Sequence, cast
 
 from jaxtrain.errors import LaunchError
 from jaxtrain.runtime.job import is_shape_variable
@@ -52,6 +52,26 @@ class Job:
         """The checkpoint directory when it is on a local disk (a restarted pod or VM loses it), else None."""
         ckpt = self.cfg.checkpoint.dir or f"{self.cfg.run.dir.rstrip('/')}/checkpoints"
         return None if ckpt.startswith(("gs://", "s3://")) else ckpt
+
+
+class LaunchTarget(Protocol):
+    """What a target's module (``jaxtrain/launch/<target>.py``, listed in :data:`TARGETS`) defines:
+    ``spec`` is whatever it submits (a manifest dict, a script, a client object)."""
+
+    def add_args(self, parser: argparse.ArgumentParser) -> None:
+        """Adds the target's own flags (the common ones are there already)."""
+
+    def build(self, job: Job, args: argparse.Namespace) -> Any:
+        """The spec for ``job``; raises LaunchError for a bad flag (before anything is sent)."""
+
+    def notes(self, job: Job, args: argparse.Namespace) -> list[str]:
+        """Notes for the user on stderr (e.g. checkpoints on a pod's own disk)."""
+
+    def render(self, spec: Any) -> str:
+        """The spec as printed by ``--dry-run``."""
+
+    def submit(self, spec: Any, job: Job, args: argparse.Namespace) -> str:
+        """Sends the spec; returns what to print (the job's name or URL). Raises SubmitError."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -241,7 +261,7 @@ def run(argv: Sequence[str], prog: str) -> int:
     target, rest = argv[0], list(argv[1:])
     if target not in TARGETS:
         raise LaunchError(f"unknown target '{target}' (choose one of: {', '.join(TARGETS)})")
-    module = importlib.import_module(f"jaxtrain.launch.{target}")
+    module = cast(LaunchTarget, importlib.import_module(f"jaxtrain.launch.{target}"))
     parser = _Parser(prog=f"{prog} {target}", description=f"Submit jaxtrain.train as a {TARGETS[target]}.")
     add_common_args(parser)
     module.add_args(parser)

@@ -14,14 +14,11 @@ times its trip count; compare against the unrolled, single-micro-batch step.
 """
 from __future__ import annotations
 
-import time
 from typing import Any, Optional
 
 import jax
-import jax.numpy as jnp
 
 from jaxtrain.config import Config
-from jaxtrain.metrics import peak_cache
 
 # Dense (no sparsity) peak FLOP/s per chip and matmul dtype, checked in order (first
 # substring of the lowercased ``device_kind`` wins, so specific names come first).
@@ -76,37 +73,16 @@ def device_peak_flops(device: Any, dtype: str = "bfloat16") -> Optional[float]:
     return None
 
 
-def calibrate_cpu_flops(n: int = 1024, repeats: int = 5, dtype: str = "float32") -> float:
-    """Measured matmul FLOP/s of this host: best of ``repeats`` n x n x n matmuls in ``dtype``.
-
-    CPU throughput swings up to 3x within minutes on shared machines, so MFU on
-    CPU uses this same-process measurement rather than a constant. All XLA CPU
-    devices of a process share one thread pool, so this is the host's rate.
-    """
-    cpu = jax.local_devices(backend="cpu")[0]  # this process's own: another's would time a collective
-    a = jax.device_put(jnp.ones((n, n), jnp.dtype(dtype)), cpu)
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        f(a).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return 2.0 * n ** 3 / best
-
-
 def total_peak_flops(cfg: Config, devices, calibrate: bool = True) -> tuple[Optional[float], str]:
     """Peak FLOP/s of the whole mesh and where it came from.
 
-    Order: ``train.peak_tflops`` (per device, x device count) if set; on CPU a
-    matmul timed now in this process, or kept from an earlier run on this host when the
-    command line enabled :mod:`jaxtrain.metrics.peak_cache` (the host's rate, not multiplied by the
-    number of simulated devices, times the number of processes: each calibrates its own host;
-    ``calibrate=False`` skips it -> None); else the
-    table for the device kind and ``model.dtype`` (float32 when the model section has
-    none, e.g. ``family: custom``). Returns (None, reason) for an
-    unknown accelerator or dtype without ``train.peak_tflops``: MFU is then
-    reported as n/a, never computed from another chip's peak.
+    Order: ``train.peak_tflops`` (per device, x device count) if set; on CPU the peak a kernel provider
+    measures for one host (the ``cpu`` provider: the host's float32 FMA throughput,
+    :mod:`jaxtrain.kernels.cpu.peak`; not multiplied by the number of simulated devices, times the
+    number of processes: each measures its own host; ``calibrate=False`` skips it -> None); else the
+    table for the device kind and ``model.dtype`` (float32 when the model section has none, e.g.
+    ``family: custom``). Returns (None, reason) for an unknown accelerator or dtype without
+    ``train.peak_tflops``: MFU is then reported as n/a, never computed from another chip's peak.
     """
     devices = list(devices)
     dtype = getattr(cfg.model, "dtype", "float32")
@@ -115,10 +91,12 @@ def total_peak_flops(cfg: Config, devices, calibrate: bool = True) -> tuple[Opti
     if devices[0].platform == "cpu":
         if not calibrate:
             return None, "cpu (calibration skipped)"
-        hosts = jax.process_count()  # each process calibrates its own host; the mesh spans them all
-        host, age = peak_cache.peak(dtype, lambda: calibrate_cpu_flops(dtype=dtype))
-        return (host * hosts, f"calibrated host {dtype} matmul" + (f" x {hosts} processes" if hosts > 1 else "")
-                + (f", kept from {age / 60:.0f} min ago" if age is not None else ""))
+        from jaxtrain.kernels import hooks as provider_hooks
+        found = provider_hooks.peak_flops(devices, dtype)
+        if found is None:
+            return None, "no kernel provider measures this CPU (set train.peak_tflops)"
+        hosts = jax.process_count()  # each process measures its own host; the mesh spans them all
+        return found[0] * hosts, found[1] + (f" x {hosts} processes" if hosts > 1 else "")
     peak = device_peak_flops(devices[0], dtype)
     if peak is None:
         return None, f"no peak for device kind '{devices[0].device_kind}' / {dtype} (set train.peak_tflops)"

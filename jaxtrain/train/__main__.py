@@ -1,10 +1,15 @@
-"""``python -m jaxtrain.train``: the command line of ``jaxtrain.cli.train``."""
+"""``python -m jaxtrain.train``: the command line of ``jaxtrain.cli.train``.
 
-from jaxtrain.runtime import signals
+The command line is imported only when this module runs as the program, so nothing in the library
+imports ``jaxtrain.cli`` from ``jaxtrain.train`` (the package import graph stays one way).
+"""
 
-signals.during_startup()  # before anything heavy is imported: a SIGTERM from now on is a clean exit 0
+if __name__ == "__main__":
+    from jaxtrain.runtime import signals
 
-from jaxtrain.cli.common import exit_now  # noqa: E402
-from jaxtrain.cli.train import main  # noqa: E402
+    signals.during_startup()  # before anything heavy is imported: a SIGTERM from now on is a clean exit 0
 
-exit_now(main())
+    from jaxtrain.cli.common import exit_now
+    from jaxtrain.cli.train import main
+
+    exit_now(main())

@@ -10,8 +10,9 @@ anything is compiled:
    size > 1 must be used, and every logical name of the model must have a rule
    (ShardingError);
 3. the data (when asked to load it) and the vocabulary (DataError, ConfigError);
-4. the mesh, and the sharding of every parameter and optimizer-state leaf
-   (ShardingError; activation shardings are checked when the step is traced).
+4. the mesh, and the run plan (:mod:`jaxtrain.train.plan`): the sharding of every parameter and
+   optimizer-state leaf (ShardingError; activation shardings are checked when the step is traced),
+   what is offloaded, the pipeline schedule, and every kernel choice (``auto`` resolved once).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from jaxtrain.metrics import sinks
 from jaxtrain.models.family import Family
 from jaxtrain.parallel.mesh import build_mesh, resolve_sizes
 from jaxtrain.parallel.rules import Rules, check_mesh_used
-from jaxtrain.train import lm, step
+from jaxtrain.train import lm, plan, step
 from jaxtrain.train.model_spec import ModelSpec
 
 
@@ -45,6 +46,7 @@ class Setup:
     rules: Rules
     model_spec: ModelSpec
     fns: step.StepFunctions
+    plan: plan.RunPlan  # every auto resolved, the shardings, offload, pipeline, kernels: resolved.json
     data: Any = None  # the data source (jaxtrain.data.Data, ArrayData, ...), when loaded or given
     family: Optional[Family] = None  # the registered family (None for a ModelSpec given in Python)
     model_config: Any = None  # cfg.model, its vocabulary resolved for a family
@@ -113,7 +115,9 @@ def setup(cfg: Config, devices: Optional[Sequence[jax.Device]] = None, *, model_
         model_cfg = lm.model_config(cfg, lm.resolve_vocab(cfg, vocab, tokenizer and tokenizer.vocab_size))
         model_spec = lm.model_spec(cfg, family, model_cfg)
     mesh = build_mesh(cfg.mesh, devices)
-    s = Setup(cfg, devices, mesh, rules, model_spec, step.build(cfg, mesh, rules, model_spec), data, family, model_cfg)
+    run_plan = plan.make(cfg, mesh, rules, model_spec)
+    fns = step.build(run_plan, model_spec)
+    s = Setup(cfg, devices, mesh, rules, model_spec, fns, run_plan, data, family, model_cfg)
     if family is None and data is not None:  # a model given in Python: its loss is checked before any run
         s.check_loss()
     return s

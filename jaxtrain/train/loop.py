@@ -12,7 +12,6 @@ so the order they are given in changes nothing else, and each hook sees an immut
 """
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import time
@@ -24,10 +23,11 @@ import jax
 import numpy as np
 
 from jaxtrain.errors import NonFiniteError
+from jaxtrain.kernels import hooks as provider_hooks
 from jaxtrain.metrics.console import Reporter
 from jaxtrain.metrics.sinks import Sinks
-from jaxtrain.runtime import cpu_dispatch
 from jaxtrain.train.assembly import Setup
+from jaxtrain.train.lookahead import Lookahead
 
 # Train steps dispatched but not finished: XLA:CPU deadlocks on ~100 unread multi-device programs in
 # flight, and more than two buys no overlap that two do not.
@@ -167,68 +167,6 @@ def ordered(hooks: Sequence[Hook]) -> list[Hook]:
     return out
 
 
-class Lookahead:
-    """The loop's batches with one fetched ahead: :meth:`fetch` assembles the next batch while the
-    devices run a step (with ``train.log_every=1`` the host would otherwise assemble it while they
-    sit idle). Called once a step is dispatched; where the step runs inline on the loop's thread (a
-    single-process CPU run, ``jaxtrain.runtime.cpu_dispatch``) it is called before the step instead,
-    with ``threaded``: a thread of its own then draws the batch while the step runs. That fetch had
-    followed the step: ~0.9 ms a shakespeare-char batch just after a step (0.24 ms alone: the step
-    leaves the caches cold); drawn on a thread, the logged step took 0.975x and 0.99x the time and
-    the whole run 0.99x and 0.97x (two A/Bs of 4 and 5 alternated CLI rounds, 2-core Intel Xeon).
-    :meth:`get_state` is the position of the next batch the loop will take, the held (or pending)
-    one included, so a checkpoint resumes with it."""
-
-    def __init__(self, inner: Iterator, threaded: bool = False):
-        self.inner = inner
-        self.held: Optional[tuple[dict, Any]] = None  # (the inner iterator's state before it, the batch)
-        self.pending: Optional[concurrent.futures.Future] = None  # the same, being drawn on the thread
-        self.threaded = threaded
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, "jaxtrain-batches") if threaded else None
-
-    def _draw(self) -> tuple[dict, Any]:
-        state = self.inner.get_state()
-        return state, next(self.inner)
-
-    def _settle(self) -> None:
-        """Waits for a batch being drawn (its error, if any, is raised here)."""
-        if self.pending is not None:
-            pending, self.pending = self.pending, None
-            self.held = pending.result()
-
-    def fetch(self) -> None:
-        if self.held is not None or self.pending is not None:
-            return
-        if self._pool is not None:
-            self.pending = self._pool.submit(self._draw)
-        else:
-            self.held = self._draw()
-
-    def __iter__(self) -> Iterator:
-        return self
-
-    def __next__(self) -> Any:
-        self._settle()
-        if self.held is None:
-            return next(self.inner)
-        batch, self.held = self.held[1], None
-        return batch
-
-    def get_state(self) -> dict:
-        self._settle()
-        return self.held[0] if self.held is not None else self.inner.get_state()
-
-    def set_state(self, state: dict) -> None:
-        self._settle()
-        self.held = None
-        self.inner.set_state(state)
-
-    def close(self) -> None:
-        """Ends the thread (after the batch it may be drawing)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-
-
 @dataclass
 class TrainLoop:
     """The loop and everything it owns: the run, the live state, where rows go, the timers, the
@@ -313,7 +251,7 @@ class TrainLoop:
         if self.precompiled is not None:
             with self.compiling("the evaluation's compile"):
                 evaluate = self.precompiled.evaluation(self.state["params"], self.val)
-        # Before the dispatch: a one-device CPU program runs inline (jaxtrain.runtime.cpu_dispatch), so
+        # Before the dispatch: a one-device CPU program may run inline (provider_hooks.runs_inline), so
         # a save started after it would begin only once the evaluation ended. Not evaluation time: each
         # callback counts its own (the last step's save: 'checkpoint').
         for fn in self.while_evaluating:
@@ -346,7 +284,7 @@ class TrainLoop:
                 hook.on_start(self)
             cadence = [(h, self._every(h)) for h in hooks]
             if not isinstance(self.batches, Lookahead):  # after on_start: a hook may have wrapped them
-                self.batches = Lookahead(self.batches, threaded=cpu_dispatch.inline(len(self.setup.devices)))
+                self.batches = Lookahead(self.batches, threaded=provider_hooks.runs_inline(len(self.setup.devices)))
             for step in range(self.start + 1, self.cfg.train.steps + 1):
                 t0 = time.perf_counter()
                 with self.drawing(step):

@@ -7,17 +7,13 @@ compiled step (in the process, and from the persistent compile cache across runs
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from jaxtrain.config import Config
-from jaxtrain.errors import ConfigError
-from jaxtrain.runtime import once
-
-_logged: set = set()
 
 HYPERPARAMETERS = ("lr", "min_lr", "warmup_steps", "decay_steps", "b1", "b2", "eps", "weight_decay", "clip_norm")
 
@@ -80,37 +76,6 @@ def decay_mask(param_axes) -> Any:
     besides a stacked ``layers`` dim)."""
     return jax.tree_util.tree_map(lambda axes: sum(a != "layers" for a in axes) >= 2, param_axes,
                                   is_leaf=lambda x: isinstance(x, tuple))
-
-
-def fused_problem(platform: str, devices: int, stored_dtypes: Any, host_state: bool) -> Optional[str]:
-    """Why the XLA:CPU update kernel (:mod:`jaxtrain.kernels.cpu_adamw`) cannot run the step's update,
-    or None. ``stored_dtypes``: the train state's params' pytree of dtypes (the moments follow them);
-    ``host_state``: the optimizer state or params live in host memory (``offload.*``)."""
-    from jaxtrain.kernels import cpu_adamw, cpu_fused
-    why = cpu_adamw.placement_problem(platform, devices, host_state)
-    if why:
-        return why
-    low = sorted({str(jnp.dtype(dt)) for dt in jax.tree_util.tree_leaves(stored_dtypes)} - {"float32"})
-    if low:
-        return f"float32 params and moments only, here {', '.join(low)} (optimizer.master_weights=false)"
-    return cpu_fused.problem()
-
-
-def implementation(choice: str, problem: Optional[str]) -> str:
-    """``optimizer.implementation`` resolved: 'xla' or 'cpu_fused'; ``auto`` takes the kernel where
-    ``problem`` (:func:`fused_problem`) is None (said once per reason).
-
-    Raises:
-      ConfigError: ``cpu_fused`` where it cannot run.
-    """
-    if choice == "xla":
-        return "xla"
-    if choice == "cpu_fused":
-        if problem:
-            raise ConfigError(f"optimizer.implementation=cpu_fused cannot run here: {problem} (use auto or xla)")
-        return "cpu_fused"
-    return once.auto_kernel(_logged, "optimizer.implementation", problem, "xla",
-                            "backend cpu, one device, float32 state")
 
 
 def _clip(max_norm, norm) -> optax.GradientTransformation:

@@ -7,9 +7,9 @@ loading, like the init program and a restore's reads, leaves the interpreter fre
 thread. The train step compiled here is used only when the built state and the first batch have
 exactly the shapes, dtypes and shardings it was compiled for, and when compiling it ahead worked;
 otherwise the loop compiles it from the real arrays as before (and a bad config raises its named
-error there, on the main thread). Where the program cache applies
-(:mod:`jaxtrain.train.program_cache`), the train step and the evaluation are loaded from their
-exported forms instead of traced, and the loop calls the evaluation compiled here; otherwise the
+error there, on the main thread). Where a kernel provider supplies compiled programs (the ``cpu``
+provider's program cache, ``jaxtrain.kernels.provider_hooks.compiled``), the train step and the evaluation
+are loaded from there instead of traced, and the loop calls the evaluation compiled here; otherwise the
 evaluation, like the sample, is compiled only to fill the caches its first call reads.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import jax
 
-from jaxtrain.train import program_cache
+from jaxtrain.kernels import hooks as provider_hooks
 from jaxtrain.train import sample as generation
 from jaxtrain.train.assembly import Setup
 
@@ -77,7 +77,8 @@ class Precompile:
             t0 = time.perf_counter()
             state, batch = s.abstract_state(), s.abstract_batch()
             self._inputs = signature((state, batch))
-            self._step = program_cache.train_step(s, state, batch) or s.fns.train_step.lower(state, batch).compile()
+            self._step = (provider_hooks.compiled(s, "train_step", state, batch)
+                          or s.fns.train_step.lower(state, batch).compile())
             self.seconds = time.perf_counter() - t0
         except Exception as err:  # noqa: BLE001 - the loop compiles the step itself and raises it there
             self._step = None
@@ -95,7 +96,7 @@ class Precompile:
         self._ready["sample"].set()
 
     def _compile_evaluation(self, s: Setup, params: Any, batches: dict) -> None:
-        self._evaluate = program_cache.evaluate(s, params, batches)
+        self._evaluate = provider_hooks.compiled(s, "evaluate", params, batches)
         if self._evaluate is None:  # only the compile cache: the first call reads it
             s.fns.evaluate.lower(params, batches).compile()
         else:
@@ -117,7 +118,7 @@ class Precompile:
         return self._step if signature((state, batch)) == self._inputs else None
 
     def evaluation(self, params: Any, batches: dict) -> Any:
-        """The evaluation program the program cache made (``jaxtrain.train.program_cache``), once ready;
+        """The evaluation program a provider supplied (``jaxtrain.kernels.provider_hooks.compiled``), once ready;
         None when it did not, or when ``params`` or ``batches`` differ from what it was made for."""
         self._ready["evaluation"].wait()
         if self._evaluate is None:

@@ -18,15 +18,16 @@ from jaxtrain.checkpoint.checkpointer import Checkpointer
 from jaxtrain.config import Config
 from jaxtrain.data import tokenizers
 from jaxtrain.errors import CheckpointError, CorruptCheckpointError
+from jaxtrain.kernels import hooks as provider_hooks
 from jaxtrain.metrics import flops
 from jaxtrain.metrics.console import Reporter, format_flops
 from jaxtrain.metrics.profile import StepProfiler
 from jaxtrain.metrics.sinks import Sinks
 from jaxtrain.parallel import host_data
 from jaxtrain.parallel.mesh import describe, nodes_along
-from jaxtrain.runtime import heartbeat, host_memory, once, signals
+from jaxtrain.runtime import heartbeat, host_memory, signals
 from jaxtrain.runtime.watchdog import Watchdog
-from jaxtrain.train import elastic, program_cache, rundir
+from jaxtrain.train import elastic, rundir
 from jaxtrain.train import hooks as H
 from jaxtrain.train.assembly import Setup, setup
 from jaxtrain.train.loop import Hook, RunResult, TrainLoop
@@ -62,16 +63,21 @@ def fit(cfg: Config, model_spec: Optional[ModelSpec] = None, data: Any = None, *
         host_memory.reuse_freed_memory()
     out = Reporter(quiet=quiet or not cfg.run.progress, total=cfg.train.steps, silent=not primary)
     cfg = elastic.adapt(cfg, devices, out)  # resumed on other devices: the same batches (distributed.elastic)
-    once.forget()  # what auto resolves to while this run traces: its run directory's resolved.json
+    # Before anything else runs (a measurement beside the data's threads or a compile reads low)
+    peak = flops.total_peak_flops(cfg, devices if devices is not None else jax.devices())
     with out.status("checking the config, loading the data"):
         s = setup(cfg, devices, model_spec=model_spec, data=data, load_data=True,
                   run_dir=Path(cfg.run.dir).expanduser())
+    for line in s.plan.lines():
+        log.info(line)
+    for line in s.plan.warnings():
+        log.warning(f"warning: {line}")
     signals.check_startup()  # a signal while the data loaded (the command line's start-up only)
     with rundir.opened(cfg, lock=primary) as run_dir:
-        return _fit(s, run_dir, out, hooks)
+        return _fit(s, run_dir, out, hooks, peak)
 
 
-def _fit(s: Setup, run_dir: Path, out: Reporter, extra: Sequence[Hook]) -> RunResult:
+def _fit(s: Setup, run_dir: Path, out: Reporter, extra: Sequence[Hook], peaks: tuple) -> RunResult:
     cfg, data = s.cfg, s.data
     primary = heartbeat.is_primary()  # writes the run's files; the others write nothing
     if data.tokenizer is not None and primary:
@@ -82,7 +88,6 @@ def _fit(s: Setup, run_dir: Path, out: Reporter, extra: Sequence[Hook]) -> RunRe
     result = RunResult(run_dir=run_dir)
     loop: Optional[TrainLoop] = None
     precompiled: Optional[Precompile] = None
-    resolved = False  # resolved.json to write: this launch wrote config.yaml
 
     def on_checkpoint(row: dict) -> None:  # committed or failed saves, reported by the checkpointer
         loop.write(row.pop("step"), row)
@@ -105,20 +110,14 @@ def _fit(s: Setup, run_dir: Path, out: Reporter, extra: Sequence[Hook]) -> RunRe
         kept = nothing and (run_dir / "config.yaml").is_file()
         if primary and not kept:
             rundir.write_config_file(cfg, run_dir)
-            resolved = True  # and, at the end, what auto resolved to while this launch traced its steps
+            _write_resolved(run_dir, s.plan)  # what this launch resolved, beside the config it was resolved from
         sinks.drop_after(start)
         if nothing:
             out.info(f"checkpoint step {start} >= train.steps={cfg.train.steps}: nothing to train "
                      f"(raise train.steps to continue){'; config.yaml is left as it was' if kept else ''}")
         val = put_validation(data.val, s.fns.batch_sharding)
-        peak, peak_src = flops.total_peak_flops(cfg, s.devices)
-        out.info(describe_run(s, state, peak, peak_src))
-        if cfg.mesh.across_nodes:
-            out.info(f"mesh across nodes: {nodes_along(s.mesh, cfg.mesh.across_nodes)}")
-        if s.fns.low_precision:
-            out.info(f"[yellow]warning:[/] optimizer.master_weights=false: {len(s.fns.low_precision)} low-precision "
-                     f"parameters (e.g. {s.fns.low_precision[0]}) and their Adam moments are updated in place; "
-                     f"updates below a weight's resolution are lost")
+        peak = peaks[0]
+        _announce(s, state, out, peaks)
         watch = Watchdog(cfg.train.hang_timeout_s, run_dir, jax.process_index())
         loop = TrainLoop(s, state, batches, val, sinks, out, result, start, ckpt=ckpt, watch=watch,
                          precompiled=precompiled)
@@ -135,18 +134,27 @@ def _fit(s: Setup, run_dir: Path, out: Reporter, extra: Sequence[Hook]) -> RunRe
         if precompiled is not None:
             precompiled.cancel()
         sinks.close()
-        if resolved:
-            _write_resolved(run_dir)
     return result
 
 
-def _write_resolved(run_dir: Path) -> None:
-    """``resolved.json``: what each ``auto`` setting resolved to while this launch traced (or loaded from
-    the program cache) its programs, and why: ``{key: {choice: [reasons]}}``, ``{}`` when every setting
-    was explicit. Written where config.yaml was (a launch that trains nothing or fails to resume leaves
-    both as they were)."""
+def _announce(s: Setup, state: Any, out: Reporter, peaks: tuple) -> None:
+    """The start-up lines: the run (model, mesh, the peak MFU divides by), nodes, low-precision updates."""
+    out.info(describe_run(s, state, *peaks))
+    if s.cfg.mesh.across_nodes:
+        out.info(f"mesh across nodes: {nodes_along(s.mesh, s.cfg.mesh.across_nodes)}")
+    if s.fns.low_precision:
+        out.info(f"[yellow]warning:[/] optimizer.master_weights=false: {len(s.fns.low_precision)} low-precision "
+                 f"parameters (e.g. {s.fns.low_precision[0]}) and their Adam moments are updated in place; "
+                 f"updates below a weight's resolution are lost")
+
+
+def _write_resolved(run_dir: Path, plan: Any) -> None:
+    """``resolved.json``: the run plan (``jaxtrain.train.plan.RunPlan.as_json``): mesh, rules, every kernel
+    choice with its provider and reason (``auto`` resolved once, before tracing), offload, pipeline and
+    shardings. Written with config.yaml (a launch that trains nothing or fails to resume leaves both as
+    they were)."""
     try:
-        (run_dir / "resolved.json").write_text(json.dumps(once.decisions(), indent=2) + "\n")
+        (run_dir / "resolved.json").write_text(json.dumps(plan.as_json(), indent=2) + "\n")
     except OSError as err:  # the run's own outputs are written; this one is a description
         log.warning("could not write %s: %s", run_dir / "resolved.json", err)
 
@@ -205,7 +213,7 @@ def resume(s: Setup, ckpt: Optional[Checkpointer], batches, run_dir: Path, out: 
         # (a pipelined model's layers are regrouped by stage) and the first step's could otherwise be in
         # flight together and starve each other of threads (an abort after 40 s; a warm compile
         # cache makes the step ready that soon).
-        return jax.block_until_ready((program_cache.init(s) or s.fns.init)())
+        return jax.block_until_ready((provider_hooks.compiled(s, "init") or s.fns.init)())
     shape_keys, notes = rundir.resume_changes(s.cfg, run_dir, getattr(s.model_config, "vocab_size", None))
     for note in notes:
         out.info(f"[yellow]note:[/] {note}")

@@ -6,7 +6,7 @@ from typing import ClassVar, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict
 
-from jaxtrain.config.base import ModelConfig
+from jaxtrain.config.base import ModelConfig, implementation_key
 from jaxtrain.config.checks import positive
 from jaxtrain.errors import ConfigError
 
@@ -58,11 +58,14 @@ class LlamaConfig(ModelConfig):
     tie_embeddings: bool = False
     dtype: Literal["float32", "bfloat16"] = "float32"  # activation/compute dtype
     param_dtype: Literal["float32", "bfloat16"] = "float32"
-    # auto | xla | blockwise | cudnn | pallas | ring; see models/attention.py and README "Attention"
-    attention: Literal["auto", "xla", "blockwise", "cpu_fused", "cudnn", "pallas", "ring"] = "auto"
-    # the projections' matmul: auto | xla | cpu_fused; see models/layers.py matmul_choice
-    matmul: Literal["auto", "xla", "cpu_fused"] = "auto"
+    # auto, or an attention the kernel registry lists (xla, blockwise, cudnn, pallas, ring, a provider's
+    # fused kernel); see docs/attention.md
+    attention: str = "auto"
+    # the projections' matmuls, the SwiGLU MLP and RMSNorm: auto, xla, or a provider's kernels
+    matmul: str = "auto"
     init_std: float = 0.02
+    _attention = implementation_key("attention", "attention")
+    _matmul = implementation_key("matmul", "matmul")
     scan_layers: bool = False  # stack the blocks and lax.scan over them (flat compile time in depth)
     remat: Literal["none", "full", "save_matmuls"] = "none"  # activation recompute per block
     # The context length the model is declared for (HF max_position_embeddings; None: data.seq_len).
@@ -100,16 +103,9 @@ class LlamaConfig(ModelConfig):
                               f"n_kv_heads={self.n_kv_heads}")
 
     def check_against_mesh(self, cfg, axis_sizes: dict[str, int], platform: Optional[str]) -> None:
-        """Raises ConfigError: an attention that cannot run on ``platform``, ring chunks that do not
-        divide the length, or heads / KV heads not divisible by the tensor axis."""
-        from jaxtrain.models.attention import backend_problem  # the one place that knows the backends
-        problem = backend_problem(self.attention, platform) if platform else None
-        if problem:
-            raise ConfigError(f"model.attention: {problem}")
-        if self.attention == "cpu_fused":
-            self._check_fused(cfg, axis_sizes)
-        if self.matmul == "cpu_fused":
-            self._check_fused_matmul(axis_sizes, platform)
+        """Raises ConfigError: ring chunks that do not divide the length, heads / KV heads not divisible by
+        the tensor axis, layers that do not split into the pipeline's stages. (Whether the kernels it
+        names can run here is the kernel registry's check: ``jaxtrain.config.checks.check_kernels``.)"""
         seq = axis_sizes["sequence"]
         if self.attention == "ring" and cfg.data.seq_len % (2 * seq):
             raise ConfigError(f"data.seq_len: {cfg.data.seq_len} is not divisible by 2 * mesh.sequence = "
@@ -119,34 +115,6 @@ class LlamaConfig(ModelConfig):
             if getattr(self, key) % tp:
                 raise ConfigError(f"model.{key}: {getattr(self, key)} is not divisible by mesh.tensor={tp}")
         self._check_stages(cfg, axis_sizes.get("stage", 1))
-
-    def _check_fused(self, cfg, axis_sizes: dict[str, int]) -> None:
-        """What model.attention=cpu_fused needs (jaxtrain/kernels/cpu_fused.py), named by the key to change."""
-        from jaxtrain.kernels.cpu_fused import MAX_LENGTH
-        devices = math.prod(axis_sizes.values())
-        if devices > 1:
-            raise ConfigError(f"model.attention: cpu_fused runs on one device; the mesh has {devices} "
-                              f"(use auto or blockwise)")
-        if cfg.data.seq_len % 16 or cfg.data.seq_len > MAX_LENGTH:
-            raise ConfigError(f"data.seq_len: model.attention=cpu_fused needs a multiple of 16 up to {MAX_LENGTH}; "
-                              f"got {cfg.data.seq_len}")
-        if self.head_dim % 16:
-            raise ConfigError(f"model.d_model: model.attention=cpu_fused needs a head dim (d_model / n_heads) that is "
-                              f"a multiple of 16; got {self.d_model} / {self.n_heads} = {self.head_dim}")
-        if cfg.data.mode != "windows":
-            raise ConfigError(f"data.mode: model.attention=cpu_fused takes no segment ids, which data.mode="
-                              f"{cfg.data.mode} gives (use data.mode=windows, or model.attention=auto)")
-
-    def _check_fused_matmul(self, axis_sizes: dict[str, int], platform: Optional[str]) -> None:
-        """What model.matmul=cpu_fused needs (jaxtrain/kernels/cpu_matmul.py), named by the key to change."""
-        if platform and platform != "cpu":
-            raise ConfigError(f"model.matmul: cpu_fused is an XLA:CPU kernel; the backend is '{platform}' (use auto)")
-        devices = math.prod(axis_sizes.values())
-        if devices > 1:
-            raise ConfigError(f"model.matmul: cpu_fused runs on one device; the mesh has {devices} (use auto or xla)")
-        if self.dtype != "float32":
-            raise ConfigError(f"model.dtype: model.matmul=cpu_fused computes in float32; got {self.dtype} "
-                              f"(use model.matmul=auto or xla)")
 
     def _check_stages(self, cfg, stages: int) -> None:
         """The layers split evenly into the pipeline's stages (and the circular schedule's chunks)."""

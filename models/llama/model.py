@@ -33,10 +33,10 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxtrain.kernels import cpu_mlp
-from jaxtrain.models.attention import attention, choose, rotate
+from jaxtrain.kernels import ops
+from jaxtrain.models.attention import attention, rotate, rotates_inside
 from jaxtrain.models.decoder import Decoder
-from jaxtrain.models.layers import MATMUL_NAME, RMSNorm, fused_mlp, param, project, projections
+from jaxtrain.models.layers import MATMUL_NAME, RMSNorm, param, project, projections
 from jaxtrain.models.llama.config import LlamaConfig, RopeScaling
 from jaxtrain.parallel.activations import constrain
 
@@ -114,10 +114,10 @@ class Attention(nnx.Module):
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         # [b, t, heads, kv], [b, t, kv_heads, kv] twice
         q, k, v = projections(x, tuple(w[...].astype(dt) for w in (self.wq, self.wk, self.wv)), cfg.matmul)
-        # The CPU attention kernel rotates q and k itself (a pass over each fewer, both ways) where it runs
-        # and the positions are 0..length-1 (the qkv names below then mark q and k before the rotation).
+        # An attention kernel that rotates q and k itself (a pass over each fewer, both ways) does so where
+        # the positions are 0..length-1 (the qkv names below then mark q and k before the rotation).
         rope = None
-        if positions is None and choose(cfg.attention, q, k, segment_ids) == "cpu_fused":
+        if positions is None and rotates_inside(cfg.attention, q, k, segment_ids):
             rope = rotary_tables(q.shape[1], q.shape[-1], cfg.rope_theta, cfg.rope_scaling)
         else:
             q, k = (rotary(a, positions, cfg.rope_theta, cfg.rope_scaling) for a in (q, k))
@@ -147,9 +147,9 @@ class MLP(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         dt, mm = self.dtype, self.matmul
         w_gate, w_up, w_down = (w[...].astype(dt) for w in (self.w_gate, self.w_up, self.w_down))
-        if fused_mlp(mm, x, w_gate):  # the kernels with the SwiGLU folded in (jaxtrain/kernels/cpu_mlp.py)
-            out = cpu_mlp.mlp(x.reshape(-1, x.shape[-1]), w_gate, w_up, w_down, (MATMUL_NAME, "mlp_hidden"))
-            return out.reshape(x.shape)
+        fused = ops.swiglu_mlp(x, w_gate, w_up, w_down, mm, (MATMUL_NAME, "mlp_hidden"))  # a kernel's, if one takes it
+        if fused is not None:
+            return fused
         gate = jax.nn.silu(project(x, w_gate, implementation=mm))
         hidden = constrain(gate * project(x, w_up, implementation=mm), "batch", "length", "mlp")
         return project(checkpoint_name(hidden, "mlp_hidden"), w_down, implementation=mm)
@@ -160,7 +160,7 @@ class Block(nnx.Module):
 
     Named activations (``jax.ad_checkpoint.checkpoint_name``; ``offload.activations`` saves them to host
     memory instead of recomputing them): ``attn_in`` (the normed attention input), ``qkv`` (queries, keys
-    and values after rotary, or before it where the CPU attention kernel rotates them), ``attn_out``
+    and values after rotary, or before it where the attention kernel rotates them), ``attn_out``
     (attention's output before ``wo``), ``mlp_in`` (the normed MLP input), ``mlp_hidden`` (the SwiGLU
     product, ``w_down``'s input): each one a value the block's backward pass reads (its output is not:
     the residual add needs no value, and the scan keeps each block's input).

@@ -5,6 +5,7 @@ import logging
 import math
 from typing import ClassVar, Literal, Optional
 
+from jaxtrain.config.base import implementation_key
 from jaxtrain.config.checks import positive
 from jaxtrain.errors import ConfigError
 from jaxtrain.models.llama.config import LlamaConfig
@@ -25,9 +26,11 @@ class MixtralConfig(LlamaConfig):
     top_k: int = 2
     routing: Literal["dropless", "capacity"] = "dropless"
     capacity_factor: float = 1.25
-    # Dropless routing's grouped matmul: auto (windows on CPU, ragged_dot elsewhere), ragged_dot,
-    # blocks (batched matmuls over blocks of sorted rows) or windows (2-D matmuls over them).
-    grouped_matmul: Literal["auto", "ragged_dot", "blocks", "windows", "cpu_fused"] = "auto"
+    # The experts' grouped matmul: auto, or one the kernel registry lists: ragged_dot (grouped GEMMs),
+    # blocks (batched matmuls over blocks of sorted rows), windows (2-D matmuls over them), a provider's
+    # grouped kernels; auto picks per backend and run (resolved.json says which and why)
+    grouped_matmul: str = "auto"
+    _grouped_matmul = implementation_key("grouped_matmul", "grouped_matmul")
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 0.001
 
@@ -47,10 +50,10 @@ class MixtralConfig(LlamaConfig):
 
     def check_against_mesh(self, cfg, axis_sizes: dict[str, int], platform: Optional[str]) -> None:
         """The llama checks, then the experts' layout under the rule set, before anything is compiled
-        or written. Raises ShardingError (``jaxtrain.kernels.moe.expert_layout``); notes an
+        or written. Raises ShardingError (``jaxtrain.moe.experts.expert_layout``); notes an
         ``expert`` axis that does not split the experts."""
         super().check_against_mesh(cfg, axis_sizes, platform)
-        from jaxtrain.kernels.moe import expert_layout
+        from jaxtrain.moe.experts import expert_layout
         from jaxtrain.parallel.rules import Rules
         rules = Rules.from_config(cfg.sharding)
         tokens = (math.prod(axis_sizes.values()), cfg.data.seq_len, self.d_model)

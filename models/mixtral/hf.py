@@ -5,18 +5,18 @@ Everything but the feed-forward block is the llama family's (``models/llama/hf.p
 being ``[out, in]``, in the per-expert layout (what transformers 5.24's ``save_pretrained``
 writes by default, and what transformers 4 reads and writes):
 
-  model.layers.i.block_sparse_moe.gate.weight         [E, d]     = router [d, E] transposed
-  model.layers.i.block_sparse_moe.experts.e.w1.weight [d_ff, d]  = w_gate[e] [d, d_ff] transposed
-  model.layers.i.block_sparse_moe.experts.e.w3.weight [d_ff, d]  = w_up[e]   (the "up" projection)
-  model.layers.i.block_sparse_moe.experts.e.w2.weight [d, d_ff]  = w_down[e] [d_ff, d] transposed
+    model.layers.i.block_sparse_moe.gate.weight         [E, d]     = router [d, E] transposed
+    model.layers.i.block_sparse_moe.experts.e.w1.weight [d_ff, d]  = w_gate[e] [d, d_ff] transposed
+    model.layers.i.block_sparse_moe.experts.e.w3.weight [d_ff, d]  = w_up[e]   (the "up" projection)
+    model.layers.i.block_sparse_moe.experts.e.w2.weight [d, d_ff]  = w_down[e] [d_ff, d] transposed
 
 or in transformers 5's fused layout (its in-memory ``MixtralExperts``, which
 ``save_pretrained(..., save_original_format=False)`` writes; note: no ``.weight`` on the experts):
 
-  model.layers.i.mlp.gate.weight                      [E, d]       = router transposed
-  model.layers.i.mlp.experts.gate_up_proj             [E, 2*d_ff, d]: rows [:d_ff] are w1 (gate),
+    model.layers.i.mlp.gate.weight                      [E, d]       = router transposed
+    model.layers.i.mlp.experts.gate_up_proj             [E, 2*d_ff, d]: rows [:d_ff] are w1 (gate),
                                                                      rows [d_ff:] are w3 (up)
-  model.layers.i.mlp.experts.down_proj                [E, d, d_ff] = w_down transposed per expert
+    model.layers.i.mlp.experts.down_proj                [E, d, d_ff] = w_down transposed per expert
 
 Import reads either (each layer's names say which; both give the same params). Export always
 writes the per-expert layout, which every transformers version loads.

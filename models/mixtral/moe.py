@@ -3,7 +3,7 @@
 Router (Mixtral, Jiang et al. 2024; HF ``MixtralSparseMoeBlock``): logits = x W_r in float32,
 p = softmax(logits) over the experts, the top-k experts per token, and their k probabilities
 renormalised to sum to 1 as the combine weights. The experts run in
-:func:`jaxtrain.kernels.moe.routed_experts` (dropless or capacity, expert-parallel when the
+:func:`jaxtrain.moe.experts.routed_experts` (dropless or capacity, expert-parallel when the
 rules shard ``exp``).
 
 Losses, over the T tokens of the batch (all positions):
@@ -22,9 +22,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtrain.kernels.moe import routed_experts, top_k
 from jaxtrain.models.layers import param, project
 from jaxtrain.models.mixtral.config import MixtralConfig
+from jaxtrain.moe.experts import routed_experts, top_k
 from jaxtrain.parallel.activations import constrain
 
 

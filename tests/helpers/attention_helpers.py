@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtrain.kernels import reference
+from jaxtrain.kernels.xla import reference
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 

@@ -9,7 +9,7 @@ from jaxtrain.data import sources, store
 
 def test_object_store_paths_on_a_gcs_emulator(gcs, tmp_path, monkeypatch):
     """gs:// globs, reads, cache writes and cache reads through epath/gcsfs against fake-gcs-server."""
-    from jaxtrain.data import prepare
+    from jaxtrain.cli import prepare
     bucket, fs = gcs.new_bucket("data"), gcs.fs()
     monkeypatch.setenv("JAXTRAIN_DATA_CACHE", str(tmp_path / "local-cache"))
     for i in range(2):

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain import config as cfglib
 from jaxtrain import data as datalib
-from jaxtrain.data import prepare
+from jaxtrain.cli import prepare
 from jaxtrain.parallel.mesh import build_mesh
 
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "data_multihost_worker.py"

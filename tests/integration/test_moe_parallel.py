@@ -120,7 +120,7 @@ def test_expert_layouts_that_would_send_tokens_twice_or_mix_them_are_named_error
     import jax.numpy as jnp
 
     from jaxtrain.errors import ShardingError
-    from jaxtrain.kernels.moe import routed_experts
+    from jaxtrain.moe.experts import routed_experts
     from jaxtrain.parallel.activations import activation_sharding
     from jaxtrain.parallel.rules import Rules
     rules = Rules.load("ep")

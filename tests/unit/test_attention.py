@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from attention_helpers import assert_matches_reference, inputs, value_and_grads
 
-from jaxtrain.kernels import flash_gpu
+from jaxtrain.kernels.pallas import flash_gpu
 
 
 def flash(q, k, v, qseg=None, kvseg=None, **kw):

@@ -1,6 +1,4 @@
 """model.attention: selection, named errors, and training with our kernel."""
-import logging
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,37 +7,49 @@ from attention_helpers import corpus_windows
 from conftest import put_windows
 
 from jaxtrain.config import check_against_mesh
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import AttentionBackendError, ConfigError
+from jaxtrain.kernels import ops, registry
 from jaxtrain.models import attention as attn
 from jaxtrain.train import setup
 
 
-def test_auto_picks_per_backend_and_logs(caplog):
+def choose(q, k, segment_ids=None, backend="cpu"):
+    """What auto runs for this call on ``backend``, as the registry resolves it outside a run (one device)."""
+    facts = registry.Facts(backend=backend, devices=1, segment_ids=segment_ids is not None)
+    chosen = registry.choose("attention", "auto", facts, available=backend == "cpu")
+    call = ops.AttentionCall(q, k, segment_ids, None, True)
+    impl = next(i for i in (chosen.impl, *chosen.fallbacks) if i.refuses(call, True, facts) is None)
+    return impl.name, chosen
+
+
+def test_auto_picks_per_backend_and_says_why():
     q16 = jnp.zeros((1, 8, 2, 64), jnp.bfloat16)
     q32 = jnp.zeros((1, 8, 2, 64), jnp.float32)
     seg = jnp.zeros((1, 8), jnp.int32)
-    attn._logged.clear()
-    with caplog.at_level(logging.INFO, logger="jaxtrain.attention"):
-        assert attn.choose("auto", q32, q32) == "blockwise"  # this CPU
-        assert attn.choose("auto", q16, q16, backend="gpu") == "cudnn"
-        assert attn.choose("auto", q16, q16, seg, backend="gpu") == "pallas"
-        assert attn.choose("auto", q32, q32, backend="gpu") == "pallas"
-        assert attn.choose("auto", q32, q32, backend="tpu") == "pallas"
     # this q is 8 long: the fused CPU kernel takes multiples of 16 (tests/unit/test_cpu_fused.py)
-    assert "model.attention=auto -> blockwise (cpu_fused: length 8 is not a multiple of 16)" in caplog.text
-    assert "model.attention=auto -> pallas (not cuDNN: segment_ids" in caplog.text
+    assert choose(q32, q32)[0] == "blockwise"
+    assert choose(q16, q16, backend="gpu")[0] == "cudnn"
+    assert choose(q32, q32, backend="gpu")[0] == "pallas"  # cuDNN takes bf16/fp16 only
+    assert choose(q32, q32, backend="tpu")[0] == "pallas"
+    name, chosen = choose(q16, q16, seg, backend="gpu")
+    assert name == "pallas" and chosen.line() == (
+        "model.attention=auto -> pallas (cudnn: segment_ids (ours masks packed documents without a dense mask); "
+        "our FlashAttention-2 (Triton))")
 
 
-CUDNN_ON_CPU = "model.attention: cudnn needs a GPU; the backend is 'cpu' (use auto, blockwise, xla or pallas)"
+CUDNN_ON_CPU = ("model.attention: cudnn runs on gpu; the backend is 'cpu' "
+                "(use auto, xla, blockwise, ring, pallas or cpu_fused)")
 
 
 def test_explicit_choice_that_cannot_run_is_a_named_error(small_cfg):
     q = jnp.zeros((1, 8, 2, 64), jnp.bfloat16)
-    with pytest.raises(attn.AttentionBackendError) as e:
+    with pytest.raises(AttentionBackendError) as e:
         attn.attention(q, q, q, implementation="cudnn")
     assert str(e.value) == CUDNN_ON_CPU
-    with pytest.raises(ValueError, match="unknown implementation 'flash'"):
+    with pytest.raises(ConfigError) as e:
         attn.attention(q, q, q, implementation="flash")
+    assert str(e.value) == ("model.attention: unknown implementation 'flash' "
+                            "(known: auto, xla, blockwise, cudnn, ring, pallas, cpu_fused)")
     with pytest.raises(ConfigError) as e:  # the same check and message, before anything is built
         check_against_mesh(small_cfg("model.attention=cudnn"), {a: 1 for a in
                            ("data", "fsdp", "tensor", "sequence", "expert")}, "cpu")
@@ -52,7 +62,7 @@ def test_explicit_choice_that_cannot_run_is_a_named_error(small_cfg):
 def test_xla_dispatch_follows_the_shared_mask_convention():
     from attention_helpers import inputs
 
-    from jaxtrain.kernels import reference
+    from jaxtrain.kernels.xla import reference
     q, k, v, _ = inputs(2, 12, 12, 4, 2, 16)
     seg = jnp.asarray(np.sort(np.random.default_rng(0).integers(0, 3, (2, 12))), jnp.int32)
     for s in (None, seg):

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 from attention_helpers import assert_matches_reference, inputs
 
-from jaxtrain.kernels import flash_tpu
+from jaxtrain.kernels.pallas import flash_tpu
 
 
 def flash(q, k, v, qseg=None, kvseg=None, **kw):

@@ -1,6 +1,4 @@
 """Blockwise causal attention (the CPU path of model.attention=auto) against the jnp reference."""
-import logging
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +6,9 @@ import pytest
 from attention_helpers import assert_matches_reference, inputs
 
 from jaxtrain.config import MeshConfig
-from jaxtrain.kernels.blockwise import blockwise_attention, default_block
+from jaxtrain.errors import AttentionBackendError
+from jaxtrain.kernels import ops
+from jaxtrain.kernels.xla.blockwise import blockwise_attention, default_block
 from jaxtrain.models import attention as attn
 from jaxtrain.parallel.activations import activation_sharding
 from jaxtrain.parallel.mesh import build_mesh
@@ -48,24 +48,29 @@ def test_rejects_cross_attention():
     with pytest.raises(ValueError, match=r"blockwise attention needs q_len == kv_len and heads % kv_heads == 0; "
                                          r"got q \(1, 8, 2, 16\), k \(1, 12, 2, 16\)"):
         blockwise_attention(q, k, v)
-    with pytest.raises(ValueError, match="model.attention=blockwise: only causal attention is supported"):
+    with pytest.raises(AttentionBackendError) as e:
         attn.attention(q, q, q, implementation="blockwise", causal=False)
+    assert str(e.value) == "model.attention=blockwise cannot run here: only causal attention (use auto or xla)"
     with pytest.raises(ValueError, match=r"blockwise attention needs window >= 1 \(a query must see itself\); got 0"):
         blockwise_attention(q, q, q, window=0)
 
 
-def test_auto_on_cpu(caplog):
+def choose(implementation, q, k, causal=True):
+    """The attention that runs this call, as the registry picks it (this process has 8 devices: not cpu_fused)."""
+    return ops.pick("attention", implementation, ops.AttentionCall(q, k, None, None, causal)).name
+
+
+def test_auto_on_cpu():
     q, k, _, _ = inputs(2, 16, 16, 4, 4, 8)
     kx, _, _, _ = inputs(2, 24, 24, 4, 4, 8)
-    assert attn.choose("auto", q, k) == "blockwise"
-    assert attn.choose("auto", q, k, causal=False) == "xla"
-    assert attn.choose("auto", q, kx) == "xla"
+    assert choose("auto", q, k) == "blockwise"
+    assert choose("auto", q, k, causal=False) == "xla"
+    assert choose("auto", q, kx) == "xla"
     # A rule set that splits 'length' (sp on sequence=2): blocks would cut across devices.
     with activation_sharding(Rules.load("sp"), build_mesh(MeshConfig(data=1, sequence=2), jax.devices()[:2])):
-        assert attn.choose("auto", q, k) == "xla"
-        attn._logged.clear()
-        with caplog.at_level(logging.WARNING, logger="jaxtrain.attention"):
-            assert attn.choose("blockwise", q, k) == "blockwise"  # explicit: honoured, with a warning
-        assert "model.attention=blockwise with the length split over devices" in caplog.text
+        assert choose("auto", q, k) == "xla"
+        assert choose("blockwise", q, k) == "blockwise"  # explicit: honoured, with a warning
+        assert ops.choice("attention", "blockwise", ops.AttentionCall(q, k, None, None, True)).warning == (
+            "the rules split the length over devices: XLA moves the query blocks between them (use ring or xla)")
     with activation_sharding(Rules.load("fsdp"), build_mesh(MeshConfig(data=1, fsdp=2), jax.devices()[:2])):
-        assert attn.choose("auto", q, k) == "blockwise"
+        assert choose("auto", q, k) == "blockwise"

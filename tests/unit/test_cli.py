@@ -16,8 +16,8 @@ from jaxtrain.analysis import explain as explain_cli
 from jaxtrain.analysis import plan as plan_cli
 from jaxtrain.analysis.explain import explain
 from jaxtrain.cli import export as export_cli
+from jaxtrain.cli import prepare as prepare_cli
 from jaxtrain.cli import train as train_cli
-from jaxtrain.data import prepare as prepare_cli
 from jaxtrain.errors import ConfigError
 from jaxtrain.examples import digits
 from jaxtrain.train import fit
@@ -53,7 +53,7 @@ def test_console_scripts_are_registered():
     assert scripts == {"jaxtrain-train": "jaxtrain.cli.train:main", "jaxtrain-export": "jaxtrain.cli.export:main",
                        "jaxtrain-plan": "jaxtrain.analysis.plan:main",
                        "jaxtrain-explain": "jaxtrain.analysis.explain:main",
-                       "jaxtrain-prepare": "jaxtrain.data.prepare:main",
+                       "jaxtrain-prepare": "jaxtrain.cli.prepare:main",
                        "jaxtrain-report": "jaxtrain.analysis.report:main",
                        "jaxtrain-digits": "jaxtrain.examples.digits:main", "jaxtrain-launch": "jaxtrain.launch:main"}
 
@@ -102,7 +102,7 @@ def test_train_runs_with_automatic_gc_off_unless_gc_every_is_0(monkeypatch, tmp_
 
 def test_a_single_process_run_dispatches_its_cpu_programs_inline(monkeypatch, tmp_path):
     import jaxtrain.train as train_pkg
-    from jaxtrain.runtime import cpu_dispatch
+    from jaxtrain.kernels.cpu import dispatch as cpu_dispatch
     calls = []
     monkeypatch.setattr(train_pkg, "fit", lambda cfg: calls.append("fit"))
     monkeypatch.setattr(cpu_dispatch, "run_inline", lambda: calls.append("inline"))  # not this process's JAX
@@ -177,7 +177,7 @@ def test_a_file_where_a_cache_folder_must_be_turns_that_cache_off_with_one_warni
     import jax
 
     from jaxtrain.cli.common import enable_compilation_cache
-    from jaxtrain.train import program_cache
+    from jaxtrain.kernels.cpu import program_cache
     keys = ("jax_enable_compilation_cache", "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
     saved = {k: jax.config.values[k] for k in keys}
     (tmp_path / "f").write_text("not a folder")

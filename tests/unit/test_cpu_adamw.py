@@ -1,4 +1,4 @@
-"""The guarded AdamW update kernel (jaxtrain/kernels/cpu_adamw.py, cpu_adamw.cc) against the XLA path
+"""The guarded AdamW update kernel (jaxtrain/kernels/cpu/adamw.py, cpu/adamw.cc) against the XLA path
 the train step takes without it (optax's clip + AdamW in a cond): the same bits where the norm does
 not clip, float32 rounding where it does (the norm's sums run in another order); the non-finite
 guard; results not aliased to their operands; when optimizer.implementation picks it. (The train
@@ -15,10 +15,14 @@ import optax
 import pytest
 
 from jaxtrain.errors import ConfigError
-from jaxtrain.kernels import cpu_adamw, cpu_fused
+from jaxtrain.kernels import registry
+from jaxtrain.kernels.cpu import adamw as cpu_adamw
+from jaxtrain.kernels.cpu import library as cpu_fused
 from jaxtrain.runtime.xla_flags import CPU_FLAGS
 from jaxtrain.train import optimizer as opt
 from jaxtrain.train import setup
+
+pytestmark = pytest.mark.kernels  # needs the C++ compiler (tests/conftest.py skips them without)
 
 HERE = Path(__file__).parent
 # leaf sizes around the 16-float vectors and the 8192-float chunks, a decaying matrix and a vector
@@ -168,22 +172,23 @@ def test_a_leaf_that_is_not_float32_is_a_named_error():
 
 
 def test_implementation_auto_takes_it_on_one_float32_cpu_device_and_cpu_fused_elsewhere_is_a_named_error():
-    assert opt.fused_problem("cpu", 1, {"w": jnp.float32}, False) is None
-    assert opt.implementation("auto", None) == "cpu_fused"
-    assert opt.implementation("xla", None) == "xla"
-    problems = {opt.fused_problem("gpu", 1, {"w": jnp.float32}, False): "an XLA:CPU kernel; the backend is 'gpu'",
-                opt.fused_problem("cpu", 8, {"w": jnp.float32}, False): "runs on one device, here 8",
-                opt.fused_problem("cpu", 1, {"w": jnp.bfloat16}, False):
+    def choose(value="auto", **facts):
+        return registry.choose("optimizer", value, registry.Facts(**{"backend": "cpu", "devices": 1, **facts}))
+
+    assert choose().impl.name == "cpu_fused" and choose("xla").impl.name == "xla"
+    problems = {choose(devices=8): "runs on one device, here 8",
+                choose(state_dtypes=("bfloat16", "float32")):
                     "float32 params and moments only, here bfloat16 (optimizer.master_weights=false)",
-                opt.fused_problem("cpu", 1, {"w": jnp.float32}, True):
-                    "the state lives in host memory (offload.optimizer or offload.params)"}
+                choose(host_state=True): "the state lives in host memory (offload.optimizer or offload.params)"}
     for got, want in problems.items():
-        assert got == want
-        assert opt.implementation("auto", got) == "xla"
+        assert got.impl.name == "xla" and dict(got.passed_over) == {"cpu_fused": want}
     with pytest.raises(ConfigError) as err:
-        opt.implementation("cpu_fused", "runs on one device, here 8")
+        choose("cpu_fused", devices=8)
     assert str(err.value) == ("optimizer.implementation=cpu_fused cannot run here: runs on one device, here 8 "
                               "(use auto or xla)")
+    with pytest.raises(ConfigError) as err:
+        choose("cpu_fused", backend="gpu")
+    assert str(err.value) == "optimizer.implementation: cpu_fused runs on cpu; the backend is 'gpu' (use auto or xla)"
 
 
 def test_the_train_step_calls_it_once_under_auto_and_not_under_xla(small_cfg):
@@ -208,7 +213,7 @@ KEY = "optimizer.implementation=cpu_fused cannot run here:"
 
 @pytest.mark.parametrize("overrides,mesh,platform,message", [
     ([], {"data": 2}, "cpu", f"{KEY} runs on one device, here 2 (use auto or xla)"),
-    ([], {}, "gpu", f"{KEY} an XLA:CPU kernel; the backend is 'gpu' (use auto or xla)"),
+    ([], {}, "gpu", "optimizer.implementation: cpu_fused runs on cpu; the backend is 'gpu' (use auto or xla)"),
     (["offload.optimizer=host"], {}, "cpu", f"{KEY} the state lives in host memory (offload.optimizer or "
                                             f"offload.params) (use auto or xla)"),
 ])

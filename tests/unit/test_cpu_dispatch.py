@@ -10,7 +10,7 @@ import pytest
 # its result was ready the moment the call returned.
 PROBE = textwrap.dedent("""
     import jax, jax.numpy as jnp
-    from jaxtrain.runtime import cpu_dispatch
+    from jaxtrain.kernels.cpu import dispatch as cpu_dispatch
     print("inline" if cpu_dispatch.run_inline() else "default")
     work = jax.jit(lambda x: jax.lax.fori_loop(0, 12, lambda i, y: jnp.tanh(y @ x), x))
     x = jnp.full((1024, 1024), 1e-3, jnp.float32)
@@ -31,7 +31,7 @@ def test_a_program_has_finished_when_its_call_returns_unless_opted_out(opt_out, 
 
 def test_another_value_of_the_variable_is_bad_input_named_by_it():
     from jaxtrain.errors import InputError
-    from jaxtrain.runtime import cpu_dispatch
+    from jaxtrain.kernels.cpu import dispatch as cpu_dispatch
     with pytest.raises(InputError) as e:
         cpu_dispatch.run_inline({"JAXTRAIN_CPU_ASYNC_DISPATCH": "yes"})
     assert str(e.value) == ("JAXTRAIN_CPU_ASYNC_DISPATCH='yes': expected 1 (JAX's asynchronous CPU dispatch) or 0 "

@@ -1,8 +1,7 @@
-"""The fused XLA:CPU attention kernel (jaxtrain/kernels/cpu_fused.py, cpu_attention.cc): values and
+"""The fused XLA:CPU attention kernel (jaxtrain/kernels/cpu/library.py, cpu/attention.cc): values and
 gradients against the jnp reference, results that do not depend on the rest of the batch, when
 ``auto`` picks it, and what happens without a C++ compiler."""
 import json
-import logging
 import os
 import re
 import subprocess
@@ -19,15 +18,20 @@ from attention_helpers import assert_matches_reference, inputs
 from jax.sharding import AxisType, Mesh
 
 from jaxtrain.config import MESH_AXES
-from jaxtrain.kernels import cpu_fused
+from jaxtrain.errors import AttentionBackendError
+from jaxtrain.kernels import ops, registry
+from jaxtrain.kernels.cpu import attention as cpu_attention
+from jaxtrain.kernels.cpu import library as cpu_fused
 from jaxtrain.models import attention as attn
 from jaxtrain.parallel.activations import activation_sharding
 from jaxtrain.parallel.rules import Rules
 
+pytestmark = pytest.mark.kernels  # needs the C++ compiler (tests/conftest.py skips them without)
+
 
 def fused(q, k, v, qseg=None, kvseg=None, causal=True):
     assert qseg is None and causal
-    return cpu_fused.fused_attention(q, k, v)
+    return cpu_attention.fused_attention(q, k, v)
 
 
 @pytest.mark.parametrize("b,t,h,kvh,d", [
@@ -43,16 +47,16 @@ def test_values_and_gradients_match_the_reference(b, t, h, kvh, d):
 
 def test_bfloat16_inputs_are_computed_in_float32_and_returned_in_bfloat16():
     q, k, v, do = inputs(2, 32, 32, 4, 2, 32, jnp.bfloat16)
-    assert cpu_fused.fused_attention(q, k, v).dtype == jnp.bfloat16
+    assert cpu_attention.fused_attention(q, k, v).dtype == jnp.bfloat16
     assert_matches_reference(fused, q, k, v, do, causal=True)
 
 
 def test_a_batch_row_is_the_same_bit_for_bit_alone_or_among_others():
     # Grouped evaluation stacks batches side by side and promises each the loss it gets alone.
     q, k, v, do = inputs(3, 64, 64, 4, 2, 32)
-    grads = jax.jit(jax.value_and_grad(lambda q, k, v, do: jnp.sum(cpu_fused.fused_attention(q, k, v) * do),
+    grads = jax.jit(jax.value_and_grad(lambda q, k, v, do: jnp.sum(cpu_attention.fused_attention(q, k, v) * do),
                                        argnums=(0, 1, 2)))
-    out = jax.jit(cpu_fused.fused_attention)
+    out = jax.jit(cpu_attention.fused_attention)
     np.testing.assert_array_equal(np.asarray(out(q, k, v))[1], np.asarray(out(q[1:2], k[1:2], v[1:2]))[0])
     _, among = grads(q, k, v, do)
     _, alone = grads(q[1:2], k[1:2], v[1:2], do[1:2])
@@ -68,47 +72,58 @@ def on_mesh(devices: int):
     return activation_sharding(Rules("dp", table), mesh)
 
 
-def test_auto_picks_the_kernel_on_cpu_where_it_applies_and_says_why_not_elsewhere(caplog):
+def choose(implementation, q, k, segment_ids=None, window=None):
+    return ops.pick("attention", implementation, ops.AttentionCall(q, k, segment_ids, window, True)).name
+
+
+def test_auto_picks_the_kernel_on_cpu_where_it_applies_and_says_why_not_elsewhere():
     fits = jnp.zeros((2, 64, 4, 32))
-    attn._logged.clear()
-    with caplog.at_level(logging.INFO, logger="jaxtrain.attention"), on_mesh(1):
-        assert attn.choose("auto", fits, fits) == "cpu_fused"
-        assert attn.choose("auto", fits, fits, jnp.zeros((2, 64), jnp.int32)) == "blockwise"
-        assert attn.choose("auto", fits, fits, window=8) == "blockwise"
-        assert attn.choose("auto", jnp.zeros((2, 40, 4, 32)), jnp.zeros((2, 40, 4, 32))) == "blockwise"
-    with caplog.at_level(logging.INFO, logger="jaxtrain.attention"), on_mesh(2):
-        assert attn.choose("auto", fits, fits) == "blockwise"
-    with caplog.at_level(logging.INFO, logger="jaxtrain.attention"):  # outside the trainer: all of this
-        assert jax.device_count() > 1 and attn.choose("auto", fits, fits) == "blockwise"  # process's 8 devices
-    here = jax.device_count()
-    assert f"model.attention=auto -> blockwise (cpu_fused: runs on one device, here {here})" in caplog.text
-    assert "model.attention=auto -> blockwise (cpu_fused: runs on one device, here 2)" in caplog.text
-    assert "model.attention=auto -> cpu_fused (backend cpu)" in caplog.text
-    assert ("model.attention=auto -> blockwise (cpu_fused: segment ids (packed or padded documents) or a sliding "
-            "window)") in caplog.text
-    assert "model.attention=auto -> blockwise (cpu_fused: length 40 is not a multiple of 16)" in caplog.text
+    kernel = registry.lookup("attention", "cpu_fused", "cpu")
+    with on_mesh(1):
+        assert choose("auto", fits, fits) == "cpu_fused"
+        assert choose("auto", fits, fits, jnp.zeros((2, 64), jnp.int32)) == "blockwise"
+        assert choose("auto", fits, fits, window=8) == "blockwise"
+        odd = jnp.zeros((2, 40, 4, 32))
+        assert choose("auto", odd, odd) == "blockwise"
+        facts = ops.call_facts("attention")
+        assert kernel.refuses(ops.AttentionCall(odd, odd, None, None, True), True, facts) == (
+            "length 40 is not a multiple of 16")
+        assert kernel.refuses(ops.AttentionCall(fits, fits, None, 8, True), True, facts) == (
+            "segment ids (packed or padded documents) or a sliding window")
+    with on_mesh(2):
+        assert choose("auto", fits, fits) == "blockwise"
+    assert jax.device_count() > 1 and choose("auto", fits, fits) == "blockwise"  # outside the trainer: 8 devices
+    here = registry.choose("attention", "auto", registry.Facts("cpu", devices=jax.device_count()))
+    assert here.line() == (f"model.attention=auto -> blockwise (cpu_fused: runs on one device, here "
+                           f"{jax.device_count()}; causal self-attention by query blocks)")
+    one = registry.choose("attention", "auto", registry.Facts("cpu", devices=1))
+    assert one.line() == ("model.attention=auto -> cpu_fused (one fused kernel per (batch, kv head), the rotary "
+                          "embedding inside)")
 
 
 def test_explicit_choice_on_shapes_it_cannot_take_is_a_named_error():
     q = jnp.zeros((1, 40, 2, 32))
-    with pytest.raises(attn.AttentionBackendError) as e:
+    with on_mesh(1), pytest.raises(AttentionBackendError) as e:
         attn.attention(q, q, q, implementation="cpu_fused")
     assert str(e.value) == ("model.attention=cpu_fused cannot run here: length 40 is not a multiple of 16 "
                             "(use auto or blockwise)")
-    assert attn.backend_problem("cpu_fused", "gpu") == ("cpu_fused is an XLA:CPU kernel; the backend is 'gpu' "
-                                                        "(use auto)")
+    with pytest.raises(AttentionBackendError) as e:
+        registry.check("attention", "cpu_fused", registry.Facts("gpu"))
+    assert str(e.value) == ("model.attention: cpu_fused runs on cpu; the backend is 'gpu' "
+                            "(use auto, xla, blockwise, cudnn, ring or pallas)")
 
 
 def test_without_a_compiler_auto_falls_back_to_blockwise_and_the_explicit_choice_says_why(tmp_path):
     # A fresh process: the kernel is built (or not) once per process.
     code = textwrap.dedent("""
         import jax.numpy as jnp
-        from jaxtrain.models import attention as attn
+        from jaxtrain.errors import AttentionBackendError
+        from jaxtrain.kernels import ops
         q = jnp.zeros((1, 64, 2, 32))
-        print(attn.choose("auto", q, q))
+        print(ops.pick("attention", "auto", ops.AttentionCall(q, q, None, None, True)).name)
         try:
-            attn.attention(q, q, q, implementation="cpu_fused")
-        except attn.AttentionBackendError as err:
+            ops.attention(q, q, q, implementation="cpu_fused")
+        except AttentionBackendError as err:
             print(err)
     """)
     env = {"PATH": "/usr/bin:/bin", "CXX": "no-such-compiler", "JAXTRAIN_KERNEL_CACHE_DIR": str(tmp_path),
@@ -166,7 +181,8 @@ def test_a_new_process_loading_a_cached_program_registers_the_kernel_first(tmp_p
                               cwd=Path(__file__).resolve().parents[2])
         assert done.returncode == 0, done.stderr[-3000:]
         runs.append(done.stdout + done.stderr)
-    assert "model.attention=auto -> cpu_fused (backend cpu)" in runs[0]
+    assert ("model.attention=auto -> cpu_fused (one fused kernel per (batch, kv head), the rotary embedding "
+            "inside)") in runs[0]
     assert "read from the program cache" not in runs[0]
     assert "compiled train step in" in runs[1] and "(its traced program read from the program cache)" in runs[1]
     losses = [[json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
@@ -200,11 +216,9 @@ def test_a_compiler_that_writes_nothing_or_a_damaged_library_is_reported_and_not
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["data.seq_len=50"], "data.seq_len: model.attention=cpu_fused needs a multiple of 16 up to 1024; got 50"),
-    (["model.d_model=96"], "model.d_model: model.attention=cpu_fused needs a head dim (d_model / n_heads) that is a "
-                           "multiple of 16; got 96 / 4 = 24"),
-    (["data.mode=packed"], "data.mode: model.attention=cpu_fused takes no segment ids, which data.mode=packed gives "
-                           "(use data.mode=windows, or model.attention=auto)"),
+    (["data.seq_len=50"], "length 50 (data.seq_len) is not a multiple of 16 up to 1024"),
+    (["model.d_model=96"], "head_dim 24 (model.d_model / model.n_heads) is not a multiple of 16"),
+    (["data.mode=packed"], "segment ids (packed or padded documents: data.mode)"),
 ])
 def test_an_explicit_choice_the_config_cannot_give_is_named_before_anything_is_built(small_cfg, overrides, message):
     from jaxtrain.config import check_against_mesh
@@ -212,10 +226,11 @@ def test_an_explicit_choice_the_config_cannot_give_is_named_before_anything_is_b
     one = {a: 1 for a in MESH_AXES}
     with pytest.raises(ConfigError) as e:
         check_against_mesh(small_cfg("model.attention=cpu_fused", *overrides), one, "cpu")
-    assert str(e.value) == message
+    assert str(e.value) == f"model.attention=cpu_fused cannot run here: {message} (use auto or blockwise)"
     with pytest.raises(ConfigError) as e:
         check_against_mesh(small_cfg("model.attention=cpu_fused"), {**one, "data": 2}, "cpu")
-    assert str(e.value) == "model.attention: cpu_fused runs on one device; the mesh has 2 (use auto or blockwise)"
+    assert str(e.value) == ("model.attention=cpu_fused cannot run here: runs on one device, here 2 "
+                            "(use auto or blockwise)")
 
 
 def test_a_stale_temporary_from_a_killed_build_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch):
@@ -229,12 +244,12 @@ def test_a_stale_temporary_from_a_killed_build_is_removed_and_a_fresh_one_kept(t
 
 
 def test_an_installed_package_carries_every_kernel_source_and_header():
-    """pyproject's package data for jaxtrain.kernels covers each file the build compiles or includes (a
+    """pyproject's package data for jaxtrain.kernels.cpu covers each file the build compiles or includes (a
     wheel without cpu_parallel.h could not build the kernels)."""
     import fnmatch
     import tomllib
     pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
-    globs = pyproject["tool"]["setuptools"]["package-data"]["jaxtrain.kernels"]
+    globs = pyproject["tool"]["setuptools"]["package-data"]["jaxtrain.kernels.cpu"]
     missing = [p.name for p in (*cpu_fused.SOURCES, *cpu_fused.HEADERS)
                if not any(fnmatch.fnmatch(p.name, g) for g in globs)]
     assert missing == []

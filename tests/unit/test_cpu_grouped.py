@@ -1,9 +1,7 @@
-"""The MoE experts through the XLA:CPU grouped kernels (jaxtrain/kernels/cpu_grouped.py, cpu_grouped.cc) and
+"""The MoE experts through the XLA:CPU grouped kernels (jaxtrain/kernels/cpu/grouped.py, grouped.cc) and
 ``model.grouped_matmul``: the layer against the NumPy reference for both routings, when ``auto`` takes the
 kernels, and the named error where ``cpu_fused`` cannot run. (Values and gradients of the kernels alone
 against float64: test_moe.py's grouped-matmul test.)"""
-import logging
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,13 +11,13 @@ from test_moe import CFG, layer, reference
 
 from jaxtrain.config import MESH_AXES
 from jaxtrain.errors import ConfigError
-from jaxtrain.kernels import cpu_fused, moe
+from jaxtrain.kernels import ops, registry
+from jaxtrain.kernels.cpu import library as cpu_fused
 from jaxtrain.models.mixtral.model import LOGICAL_AXES
 from jaxtrain.parallel.activations import activation_sharding
 from jaxtrain.parallel.rules import Rules
-from jaxtrain.runtime import once
 
-pytestmark = pytest.mark.skipif(cpu_fused.problem() is not None, reason="the XLA:CPU kernels did not build")
+pytestmark = pytest.mark.kernels
 
 
 def on_one_device():
@@ -49,30 +47,31 @@ def test_the_layer_through_the_grouped_kernels_equals_the_reference(routing, gro
     assert float(stats["dropped"]) == pytest.approx(dropped.mean()) and (routing == "dropless") != dropped.any()
 
 
-def test_auto_takes_the_kernels_where_they_run_and_says_why_not_elsewhere(caplog):
+def test_auto_takes_the_kernels_where_they_run_and_says_why_not_elsewhere():
     rows, w, wd = jnp.zeros((8, 16)), jnp.zeros((4, 16, 24)), jnp.zeros((4, 24, 16))
-    once.forget()
-    moe._logged.clear()
+    call = ops.GroupedCall(rows, w, w, wd)
     # This process has 8 devices: outside the trainer's sharding XLA's partitioner would gather the rows.
-    outside = moe.fused_grouped_problem(rows, w, w, wd)
-    assert outside == f"outside the trainer's sharding context on {jax.device_count()} devices"
-    with caplog.at_level(logging.INFO, logger="jaxtrain"):
-        assert moe.grouped_impl("auto", "cpu", outside) == "windows"
-        with on_one_device():
-            assert moe.fused_grouped_problem(rows, w, w, wd) is None
-            assert moe.grouped_impl("auto", "cpu", None) == "cpu_fused"
-            half = moe.fused_grouped_problem(rows.astype(jnp.bfloat16), w, w, wd)
-    assert half == ("operands of rows bfloat16, w_gate float32, w_up float32, w_down float32; it takes float32 "
-                    "(model.dtype=float32)")
-    assert moe.grouped_impl("auto", "gpu", None) == "ragged_dot" and moe.grouped_impl("windows", "cpu") == "windows"
-    assert once.decisions()["model.grouped_matmul"] == {
-        "windows": [f"cpu_fused: {outside}"], "cpu_fused": ["backend cpu, float32, the kernels built"]}
-    said = [r.getMessage() for r in caplog.records if "grouped_matmul" in r.getMessage()]
-    assert said == [f"model.grouped_matmul=auto -> windows (cpu_fused: {outside})",
-                    "model.grouped_matmul=auto -> cpu_fused (backend cpu, float32, the kernels built)"]
-    with pytest.raises(ConfigError) as e:
-        moe.grouped_impl("cpu_fused", "cpu", half)
-    assert str(e.value) == f"model.grouped_matmul=cpu_fused cannot run here: {half} (use auto or windows)"
+    outside = f"outside the trainer's sharding context on {jax.device_count()} devices"
+    chosen = ops.choice("grouped_matmul", "auto", call)
+    assert chosen.impl.name == "cpu_fused"
+    assert chosen.impl.refuses(call, True, ops.call_facts("grouped_matmul")) == outside
+    assert ops.pick("grouped_matmul", "auto", call).name == "windows"  # the next candidate takes it
+    with on_one_device():
+        assert ops.pick("grouped_matmul", "auto", call).name == "cpu_fused"
+        half = ops.GroupedCall(rows.astype(jnp.bfloat16), w, w, wd)
+        assert ops.pick("grouped_matmul", "auto", half).name == "windows"
+        with pytest.raises(ConfigError) as e:
+            ops.pick("grouped_matmul", "cpu_fused", half)
+    why = ("operands of rows bfloat16, w_gate float32, w_up float32, w_down float32; it takes float32 "
+           "(model.dtype=float32)")
+    assert str(e.value) == f"model.grouped_matmul=cpu_fused cannot run here: {why} (use auto or windows)"
+    one = registry.choose("grouped_matmul", "auto", registry.Facts("cpu", devices=1, dtype="float32"))
+    assert one.line() == "model.grouped_matmul=auto -> cpu_fused (a task per run of one expert's rows)"
+    gpu = registry.choose("grouped_matmul", "auto", registry.Facts("gpu", devices=1), available=False)
+    assert gpu.impl.name == "ragged_dot"
+    bf16 = registry.choose("grouped_matmul", "auto", registry.Facts("cpu", dtype="bfloat16"), available=False)
+    assert bf16.line() == ("model.grouped_matmul=auto -> windows (cpu_fused: computes in float32, model.dtype is "
+                           "bfloat16; 2-D matmuls over windows of each expert's rows)")
 
 
 def test_an_explicit_cpu_fused_outside_the_trainers_sharding_is_a_named_error():
@@ -90,7 +89,7 @@ def test_a_one_device_evaluation_runs_models_jax_cannot_vmap_one_batch_at_a_time
     ragged_dot as the dropless path uses it, and the run died at its first evaluation (found by a new user).
     Now those go one by one, with the per-batch values of one eval_step each."""
     from jaxtrain.train import setup
-    from jaxtrain.train.step import eval_group
+    from jaxtrain.train.evaluation import eval_group
     from jaxtrain.train.trainer import put_validation
     cfg = small_cfg("model.family=mixtral", "model.n_experts=4", f"model.grouped_matmul={grouped}",
                     "train.eval_batches=4", "mesh.data=1")

@@ -1,7 +1,6 @@
-"""The fused XLA:CPU matmul (jaxtrain/kernels/cpu_matmul.py, cpu_matmul.cc) and ``model.matmul``:
+"""The fused XLA:CPU matmul (jaxtrain/kernels/cpu/matmul.py, cpu/matmul.cc) and ``model.matmul``:
 values and gradients against float64, results that do not depend on the other rows or on the number
 of cores, when ``auto`` picks it, the named errors, and ``remat=save_matmuls`` keeping its outputs."""
-import logging
 import os
 import subprocess
 import sys
@@ -16,11 +15,15 @@ from test_cpu_fused import on_mesh
 
 from jaxtrain.config import MESH_AXES
 from jaxtrain.errors import ConfigError
-from jaxtrain.kernels import cpu_fused, cpu_matmul
+from jaxtrain.kernels import ops, registry
+from jaxtrain.kernels.cpu import library as cpu_fused
+from jaxtrain.kernels.cpu import matmul as cpu_matmul
 from jaxtrain.models import layers
 from jaxtrain.models.llama.model import LOGICAL_AXES
 from jaxtrain.parallel.activations import activation_sharding
 from jaxtrain.parallel.rules import Rules
+
+pytestmark = pytest.mark.kernels  # needs the C++ compiler (tests/conftest.py skips them without)
 
 
 def on_one_device():
@@ -78,7 +81,7 @@ def test_results_do_not_depend_on_the_number_of_cores():
         pytest.skip("needs two cores")
     code = textwrap.dedent("""
         import hashlib, jax, numpy as np
-        from jaxtrain.kernels import cpu_matmul, cpu_mlp, cpu_norm
+        from jaxtrain.kernels.cpu import matmul as cpu_matmul, mlp as cpu_mlp, norm as cpu_norm
         rng = np.random.default_rng(0)
         x, w, dy, wd = (rng.standard_normal(s).astype(np.float32) for s in ((768, 128), (128, 344), (768, 344),
                                                                             (344, 128)))
@@ -99,25 +102,33 @@ def test_results_do_not_depend_on_the_number_of_cores():
     assert hashes[0] == hashes[1]
 
 
-def test_auto_picks_the_kernel_on_one_cpu_device_for_float32_and_says_why_not_elsewhere(caplog):
+def matmul_choice(implementation, x, w):
+    """The implementation that runs ``x @ w`` here (the trainer's mesh: ``on_mesh``)."""
+    return ops.pick("matmul", implementation, ops.MatmulCall("matmul", x, w)).name
+
+
+def test_auto_picks_the_kernel_on_one_cpu_device_for_float32_and_says_why_not_elsewhere():
     x, w = jnp.zeros((64, 32)), jnp.zeros((32, 16))
-    layers._logged.clear()
-    with caplog.at_level(logging.INFO, logger="jaxtrain"):
-        with on_mesh(1):
-            assert layers.matmul_choice("auto", x, w) == "cpu_fused"
-            assert layers.matmul_choice("auto", x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)) == "xla"
-            assert layers.matmul_choice("xla", x, w) == "xla"
-            big = jnp.zeros((2048, 512)), jnp.zeros((512, 128))  # 268 MFLOP
-            assert layers.matmul_choice("auto", *big) == "xla"
-            assert layers.matmul_choice("cpu_fused", *big) == "cpu_fused"
-        with on_mesh(2):
-            assert layers.matmul_choice("auto", x, w) == "xla"
-    assert "model.matmul=auto -> cpu_fused (backend cpu, one device, float32, products under 256 MFLOP)" in caplog.text
-    assert ("model.matmul=auto -> xla (cpu_fused: a [2048, 512] x [512, 128] product: 256 MFLOP or more, where XLA's "
-            "dots are as fast)") in caplog.text
-    assert ("model.matmul=auto -> xla (cpu_fused: operands of bfloat16 and bfloat16; it takes float32 "
-            "(model.dtype=float32))") in caplog.text
-    assert "model.matmul=auto -> xla (cpu_fused: runs on one device, here 2)" in caplog.text
+    with on_mesh(1):
+        assert matmul_choice("auto", x, w) == "cpu_fused"
+        assert matmul_choice("auto", x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)) == "xla"
+        assert matmul_choice("xla", x, w) == "xla"
+        big = jnp.zeros((2048, 512)), jnp.zeros((512, 128))  # 268 MFLOP
+        assert matmul_choice("auto", *big) == "xla"
+        assert matmul_choice("cpu_fused", *big) == "cpu_fused"
+        impl = ops.choice("matmul", "auto").impl
+        assert impl.refuses(ops.MatmulCall("matmul", *big), True, registry.Facts("cpu")) == (
+            "a [2048, 512] x [512, 128] product: 256 MFLOP or more, where XLA's dots are as fast")
+        half = ops.MatmulCall("matmul", x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
+        assert impl.refuses(half, True, registry.Facts("cpu")) == (
+            "operands of bfloat16 and bfloat16; it takes float32 (model.dtype=float32)")
+    with on_mesh(2):
+        assert matmul_choice("auto", x, w) == "xla"
+    one = registry.choose("matmul", "auto", registry.Facts("cpu", devices=1, dtype="float32"))
+    assert one.line() == ("model.matmul=auto -> cpu_fused (float32 products under 256 MFLOP, the SwiGLU MLP and "
+                          "RMSNorm in kernels)")
+    two = registry.choose("matmul", "auto", registry.Facts("cpu", devices=2, dtype="float32"))
+    assert two.line() == "model.matmul=auto -> xla (cpu_fused: runs on one device, here 2; XLA's dots)"
 
 
 def test_an_explicit_choice_that_cannot_run_is_a_named_error():
@@ -126,17 +137,17 @@ def test_an_explicit_choice_that_cannot_run_is_a_named_error():
         layers.project(x, w, implementation="cpu_fused")
     assert str(e.value) == "model.matmul=cpu_fused cannot run here: runs on one device, here 2 (use auto or xla)"
     with pytest.raises(ConfigError) as e:
-        layers.matmul_choice("mkl", x, w)
+        matmul_choice("mkl", x, w)
     assert str(e.value) == "model.matmul: unknown implementation 'mkl' (known: auto, xla, cpu_fused)"
     with pytest.raises(ValueError, match=r"model.matmul=cpu_fused: operands of bfloat16 and float32; it takes float32"):
         cpu_matmul.matmul(x.astype(jnp.bfloat16), w)
 
 
 @pytest.mark.parametrize("overrides, mesh, platform, message", [
-    ([], {"data": 2}, "cpu", "model.matmul: cpu_fused runs on one device; the mesh has 2 (use auto or xla)"),
-    (["model.dtype=bfloat16"], {}, "cpu", "model.dtype: model.matmul=cpu_fused computes in float32; got bfloat16 "
-                                          "(use model.matmul=auto or xla)"),
-    ([], {}, "gpu", "model.matmul: cpu_fused is an XLA:CPU kernel; the backend is 'gpu' (use auto)"),
+    ([], {"data": 2}, "cpu", "model.matmul=cpu_fused cannot run here: runs on one device, here 2 (use auto or xla)"),
+    (["model.dtype=bfloat16"], {}, "cpu", "model.matmul=cpu_fused cannot run here: computes in float32, model.dtype "
+                                          "is bfloat16 (use auto or xla)"),
+    ([], {}, "gpu", "model.matmul: cpu_fused runs on cpu; the backend is 'gpu' (use auto or xla)"),
 ])
 def test_an_explicit_choice_the_config_cannot_give_is_named_before_anything_is_built(small_cfg, overrides, mesh,
                                                                                      platform, message):

@@ -1,4 +1,4 @@
-"""The fused SwiGLU MLP (jaxtrain/kernels/cpu_mlp.py, cpu_mlp.cc): values and gradients against float64,
+"""The fused SwiGLU MLP (jaxtrain/kernels/cpu/mlp.py, cpu/mlp.cc): values and gradients against float64,
 rows that do not depend on the other rows (alone, among others, under vmap), the sigmoid at extreme
 inputs, the named error, and when the Llama MLP takes it. (The model's values against XLA's, and the
 kernels' call counts under each remat policy: test_cpu_matmul.py.)"""
@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 from test_cpu_matmul import on_one_device
 
-from jaxtrain.kernels import cpu_fused, cpu_mlp
-from jaxtrain.models import layers
-from jaxtrain.parallel import offload
+from jaxtrain.kernels import context, ops, registry
+from jaxtrain.kernels.cpu import library as cpu_fused
+from jaxtrain.kernels.cpu import mlp as cpu_mlp
+
+pytestmark = pytest.mark.kernels  # needs the C++ compiler (tests/conftest.py skips them without)
 
 NAMES = ("cpu_matmul", "mlp_hidden")
 
@@ -87,19 +89,25 @@ def test_operands_it_does_not_take_are_a_named_error():
 
 
 def test_the_llama_mlp_takes_it_where_the_projections_do_and_no_activation_is_offloaded():
-    x, wg, *_ = (jnp.asarray(a) for a in operands(2 * 64, 128, 344))
+    x, wg, wu, wd = (jnp.asarray(a) for a in operands(2 * 64, 128, 344)[:4])
     x = x.reshape(2, 64, 128)
+
+    def fused(implementation):
+        return ops.swiglu_mlp(x, wg, wu, wd, implementation, NAMES) is not None
+
     with on_one_device():
-        assert layers.fused_mlp("cpu_fused", x, wg) and layers.fused_mlp("auto", x, wg)
-        assert not layers.fused_mlp("xla", x, wg)
-        with offload.active(offload.Plan(activations=("mlp_hidden",))):
-            assert not layers.fused_mlp("cpu_fused", x, wg)  # XLA's SwiGLU, so that mlp_hidden is its value
+        assert fused("cpu_fused") and fused("auto") and not fused("xla")
+        # a run whose plan offloads named activations: XLA's SwiGLU, so that mlp_hidden is its value
+        facts = registry.Facts("cpu", devices=1, dtype="float32", offloaded_activations=True)
+        with context.planned(registry.plan({"matmul": "cpu_fused"}, facts)):
+            assert not fused("cpu_fused") and not fused("auto")
 
 
 def test_per_example_gradients_under_vmap_match_xla():
     """jax.vmap(jax.grad(...)) through the MLP's, the norm's and the q/k/v kernels (each backward call
     sequential under vmap) gives XLA's per-example gradients."""
-    from jaxtrain.kernels import cpu_matmul, cpu_norm
+    from jaxtrain.kernels.cpu import matmul as cpu_matmul
+    from jaxtrain.kernels.cpu import norm as cpu_norm
     x, wg, wu, wd, _ = operands(4 * 6, 8, 12, scale=0.5)
     x = x.reshape(4, 6, 8)
     scale = np.linspace(0.5, 1.5, 8).astype(np.float32)

@@ -1,4 +1,4 @@
-"""Rotary embedding inside the CPU attention kernel (jaxtrain/kernels/cpu_attention.cc, the rope handlers):
+"""Rotary embedding inside the CPU attention kernel (jaxtrain/kernels/cpu/attention.cc, the rope handlers):
 the kernel with tables against the kernel on q and k rotated by XLA (jaxtrain.models.attention.rotate),
 attention(rope=...) on the other implementations, and when the Llama attention hands its rotary to the
 kernel (model values against XLA's attention and rotary)."""
@@ -8,9 +8,12 @@ import numpy as np
 import pytest
 from test_cpu_matmul import on_one_device
 
-from jaxtrain.kernels import cpu_fused
+from jaxtrain.kernels.cpu import attention as cpu_attention
+from jaxtrain.kernels.cpu import library as cpu_fused
 from jaxtrain.models import attention as attn
 from jaxtrain.models.llama.model import rotary, rotary_tables
+
+pytestmark = pytest.mark.kernels  # needs the C++ compiler (tests/conftest.py skips them without)
 
 
 def qkv(b, t, h, kvh, d, seed=0):
@@ -24,8 +27,8 @@ def test_the_kernels_rotary_gives_xlas_rotation_then_the_kernel(b, t, h, kvh, d)
     assert cpu_fused.problem() is None
     q, k, v, do = qkv(b, t, h, kvh, d)
     cos, sin = rotary_tables(t, d, 10000.0)
-    inside = jax.jit(lambda q, k, v: cpu_fused.fused_attention(q, k, v, (cos, sin)))
-    outside = jax.jit(lambda q, k, v: cpu_fused.fused_attention(
+    inside = jax.jit(lambda q, k, v: cpu_attention.fused_attention(q, k, v, (cos, sin)))
+    outside = jax.jit(lambda q, k, v: cpu_attention.fused_attention(
         attn.rotate(q, cos[:, None], sin[:, None]), attn.rotate(k, cos[:, None], sin[:, None]), v))
     o1, vjp1 = jax.vjp(inside, q, k, v)
     o2, vjp2 = jax.vjp(outside, q, k, v)
@@ -39,7 +42,7 @@ def test_tables_of_the_wrong_shape_are_a_named_error():
     q, k, v, _ = qkv(1, 16, 2, 2, 32)
     cos, sin = rotary_tables(32, 32, 10000.0)
     with pytest.raises(ValueError) as err:
-        cpu_fused.fused_attention(q, k, v, (cos, sin))
+        cpu_attention.fused_attention(q, k, v, (cos, sin))
     assert str(err.value) == ("model.attention=cpu_fused: rope tables must be [length, head_dim / 2] = [16, 16], "
                               "got [[32, 16], [32, 16]]")
 

@@ -183,7 +183,7 @@ def test_weighted_mixture_takes_documents_in_proportion(tmp_path):
 
 
 def test_cache_equals_source_and_refuses_another_tokenizer(tmp_path, bpe_path):
-    from jaxtrain.data import prepare
+    from jaxtrain.cli import prepare
     docs = [{"text": f"line {i}: " + "to be or not to be " * (i % 5 + 1)} for i in range(40)]
     path = write_jsonl(tmp_path / "d.jsonl", docs)
     hf = ["data.tokenizer=hf", f"data.tokenizer_path={bpe_path}", "data.add_eos=true"]

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxtrain.kernels.flash_gpu import flash_attention
+from jaxtrain.kernels.pallas.flash_gpu import flash_attention
 
 
 @pytest.mark.parametrize("shape, kv_heads", [((2, 256, 4, 64), 4), ((1, 128, 8, 128), 2)])

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxtrain.runtime import imports
+from jaxtrain.kernels.cpu import lean_imports as imports
 
 SCAN = "from importlib.metadata import distributions\nnames = [d.metadata.get('Name', '') for d in distributions()]"
 

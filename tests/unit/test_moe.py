@@ -111,15 +111,15 @@ def test_balanced_routing_gives_an_aux_loss_of_one():
     (300, [1.0, 0.0, 0.0, 0.0, 0.0]),  # every row to one expert: 5 windows of one group
     (100, [0.0, 0.0, 0.0, 0.0, 1.0]),  # no row has an expert: all zeros
 ], ids=["mixed", "multi-window", "one-expert", "none"])
-@pytest.mark.parametrize("kernel", ["windows", "blocks", "cpu_fused"])
+@pytest.mark.parametrize("kernel", ["windows", "blocks", pytest.param("cpu_fused", marks=pytest.mark.kernels)])
 def test_the_windowed_and_blocked_grouped_matmuls_equal_ragged_dot_values_and_gradients(n, share, kernel):
     """Each path in float32 against the ragged_dot path in float64: the windowed (or blocked, or XLA:CPU
     kernels') worst error is at most 4x ragged_dot's own (the tolerance follows the summands' scale on this CPU:
     an Intel Xeon's float32 gradients differ from an AMD EPYC's by up to 5e-3 here, both accurate).
     The blocks are 32 rows here, so the busiest groups span several."""
-    from jaxtrain.kernels.cpu_grouped import grouped_swiglu
-    from jaxtrain.kernels.grouped_blocks import blocked_swiglu
-    from jaxtrain.kernels.grouped_cpu import windowed_swiglu
+    from jaxtrain.kernels.cpu.grouped import grouped_swiglu
+    from jaxtrain.kernels.xla.grouped_blocks import blocked_swiglu
+    from jaxtrain.kernels.xla.grouped_windows import windowed_swiglu
     rng = np.random.default_rng(0)
     rows = rng.normal(size=(n, 16))
     expert = jnp.asarray(rng.choice(5, size=n, p=share), jnp.int32)  # 4 = no expert
@@ -160,7 +160,7 @@ def test_the_windowed_and_blocked_grouped_matmuls_equal_ragged_dot_values_and_gr
 
 
 def test_block_rows_balance_weight_traffic_against_padding():
-    from jaxtrain.kernels.grouped_blocks import block_rows
+    from jaxtrain.kernels.xla.grouped_blocks import block_rows
     # sqrt(500 * m / E) to the nearest power of two: 1431 -> 1024, 2024 -> 2048, 2862 -> 2048; clipped.
     assert [block_rows(32768, 8), block_rows(65536, 8), block_rows(131072, 8)] == [1024, 2048, 2048]
     assert [block_rows(64, 64), block_rows(1 << 30, 1)] == [64, 4096]
@@ -170,7 +170,7 @@ def test_the_blocked_grouped_matmul_sums_nothing_by_scatter():
     """Its outputs and row gradients are gathered from each row's one owning block and its weight
     gradients summed by a one-hot matmul: no floating-point scatter-add (atomics on a GPU, so
     run-to-run noise)."""
-    from jaxtrain.kernels.grouped_blocks import blocked_swiglu
+    from jaxtrain.kernels.xla.grouped_blocks import blocked_swiglu
     rng = np.random.default_rng(3)
     rows = jnp.asarray(rng.normal(size=(40, 8)), jnp.float32)
     expert = jnp.asarray(rng.integers(0, 5, size=40), jnp.int32)
@@ -184,7 +184,7 @@ def test_the_blocked_grouped_matmul_sums_nothing_by_scatter():
 def test_permute_rows_equals_indexing_and_its_backward_is_a_gather():
     """The sort permutation of the windowed path: x[order] forward, and a gradient equal (bitwise: each
     row's gradient is moved, never summed) to autodiff's scatter-add, computed with no scatter."""
-    from jaxtrain.kernels.grouped_cpu import inverse_permutation, permute_rows
+    from jaxtrain.kernels.rows import inverse_permutation, permute_rows
     rng = np.random.default_rng(2)
     x = jnp.asarray(rng.normal(size=(50, 7)), jnp.float32)
     order = jnp.asarray(rng.permutation(50), jnp.int32)
@@ -204,16 +204,16 @@ def test_the_cpu_per_expert_swiglu_equals_the_batched_one_with_its_gradients(mon
     experts than UNROLL_EXPERTS) gives the same values, forward and backward (bitwise on the AMD
     EPYC this was written on; a CPU whose 2-D and batched matmul kernels sum in another order may
     differ in the last bits, hence the float32-rounding tolerance)."""
-    from jaxtrain.kernels import moe as kernels
+    from jaxtrain.kernels.xla import grouped as kernels
     rng = np.random.default_rng(1)
     args = [jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((4, 40, 16), (4, 16, 24), (4, 16, 24), (4, 24, 16))]
 
     def both():  # a fresh jit each time: the path is chosen while tracing
-        f = kernels._expert_buffers_swiglu
+        f = kernels.buffers_swiglu
         return jax.jit(lambda *a: (f(*a), *jax.grad(lambda *b: jnp.sum(jnp.sin(f(*b))), argnums=(0, 1, 2, 3))(*a)))
 
     def dots():  # a fresh function each time: make_jaxpr caches a function's trace
-        return str(jax.make_jaxpr(lambda *a: kernels._expert_buffers_swiglu(*a))(*args)).count("dot_general")
+        return str(jax.make_jaxpr(lambda *a: kernels.buffers_swiglu(*a))(*args)).count("dot_general")
 
     per_expert = both()(*args)
     assert dots() == 3 * 4  # one SwiGLU's three matmuls per expert
@@ -243,13 +243,12 @@ def test_flops_per_token_count_the_active_parameters():
 
 
 def test_routing_keys_are_checked_and_named():
-    import typing
 
     from jaxtrain import config as cfglib
     from jaxtrain.errors import ConfigError
-    from jaxtrain.kernels.moe import GROUPED
-    # The schema's choices are the kernel's: a value the config accepts is one routed_experts runs.
-    assert typing.get_args(MixtralConfig.model_fields["grouped_matmul"].annotation) == GROUPED
+    from jaxtrain.kernels import registry
+    # The schema's choices are the registry's: a value the config accepts is one an implementation runs.
+    assert set(registry.names("grouped_matmul")) == {"auto", "ragged_dot", "windows", "blocks", "cpu_fused"}
     for override, message in [
         ("model.top_k=9", "model.top_k: 9 is more than model.n_experts=8"),
         ("model.capacity_factor=0", "model.capacity_factor: must be a finite number > 0, got 0.0"),

@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import moe_kernels as mk  # noqa: E402
@@ -16,6 +17,7 @@ def test_balanced_routing_gives_every_expert_the_same_copies_and_each_token_dist
     assert not np.array_equal(e, mk.balanced_routing(1024, 8, 2, seed=4).reshape(1024, 2))  # the seed shuffles
 
 
+@pytest.mark.kernels  # the cases include the C++ kernels
 def test_every_expert_case_has_the_gradients_of_one_swiglu_per_expert():
     cases, diffs = mk.build(seed=1)
     assert list(cases) == ["dense 2-D", "dense cpu_fused", "per-expert 2-D", "batched [E, M/E]", "dropless windows",

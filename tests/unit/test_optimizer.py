@@ -100,7 +100,7 @@ def test_clipping_with_a_given_norm_is_optaxs():
                 assert float(optax.tree.norm(got)) == pytest.approx(max_norm, rel=1e-6)
 
 
-@pytest.mark.parametrize("implementation", ["xla", "cpu_fused"])
+@pytest.mark.parametrize("implementation", ["xla", pytest.param("cpu_fused", marks=pytest.mark.kernels)])
 def test_the_step_updates_as_optax_clip_then_adamw(small_cfg, implementation):
     """Three steps of the compiled train step against optax's clip_by_global_norm + adamw applied
     to the same gradients (clipping on: with Adam, unclipped gradients of unequal norms give

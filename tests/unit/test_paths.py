@@ -67,7 +67,7 @@ def test_a_file_url_checkpoint_dir_trains_and_resumes(small_cfg, tmp_path):
 
 
 def test_prepare_out_takes_the_same_schemes(tmp_path, capsys):
-    from jaxtrain.data import prepare
+    from jaxtrain.cli import prepare
     assert prepare.main(["--out", "hdfs://nn/cache", f"data.path={tmp_path}/x.txt"]) == 2
     assert capsys.readouterr().err == ("error: --out: unsupported storage scheme 'hdfs://' in 'hdfs://nn/cache'; "
                                        f"--out {REMOTE_OK}\n")
@@ -75,7 +75,7 @@ def test_prepare_out_takes_the_same_schemes(tmp_path, capsys):
 
 def test_prepare_out_is_a_new_empty_or_cache_folder(tmp_path, capsys):
     """A file in the way was a traceback (exit 1); a folder of other files got the cache mixed in."""
-    from jaxtrain.data import prepare
+    from jaxtrain.cli import prepare
     text = tmp_path / "x.txt"
     text.write_text("hello world\n" * 50)
     (tmp_path / "victim.txt").write_text("keep me")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections import namedtuple
 
 import jax
@@ -13,7 +12,8 @@ import pytest
 from jax import export
 
 from jaxtrain.errors import InputError
-from jaxtrain.train import fit, program_cache
+from jaxtrain.kernels.cpu import program_cache, program_files
+from jaxtrain.train import fit
 from jaxtrain.train.assembly import setup
 
 
@@ -110,49 +110,16 @@ def test_a_damaged_entry_is_traced_again_and_replaced(small_cfg, cache):
     assert _evaluation(s, 2).loaded is True
 
 
-def test_a_loaded_program_says_the_lines_its_tracing_printed(small_cfg, cache, monkeypatch):
-    """'model.attention=auto -> ...' is printed while the model is traced; a run that loads the program
-    traces nothing and printed no such line before. Each process says a stored line once."""
-    import logging
-
-    from jaxtrain.models import attention
-    from jaxtrain.runtime import once
-    said = "model.attention=auto -> cpu_fused (backend cpu)"
-    lines: list = []
-    handler = logging.Handler()
-    handler.emit = lambda r: lines.append(r.getMessage())
-    log = logging.getLogger("jaxtrain")
-    monkeypatch.setattr(log, "handlers", [handler])
-    level = log.level
-    log.setLevel(logging.INFO)  # (setLevel, not the attribute: it clears the loggers' cached levels)
-    class Said(set):  # the matmul's and the update's lines: said already (alone, this test met them first)
-        def __contains__(self, item):
-            return True
-
-    from jaxtrain.models import layers
-    from jaxtrain.train import optimizer
-    monkeypatch.setattr(layers, "_logged", Said())
-    monkeypatch.setattr(optimizer, "_logged", Said())
-    try:
-        monkeypatch.setattr(attention, "_logged", set())  # as in a new process
-        monkeypatch.setattr(once, "_said", set())
-        once.forget()  # as a run's start does
-        jax.clear_caches()  # the blocks' traces of earlier tests would be reused: attention not traced again
-        s = _setup(small_cfg)
-        assert _evaluation(s, 2).loaded is False
-        assert lines == [said]
-        meta = json.loads((cache / s._program_key / "evaluate.json").read_text())
-        assert meta["log"] == [[logging.INFO, said]]
-        assert meta["resolved"]["model.attention"] == {"cpu_fused": ["backend cpu"]}  # for the run's resolved.json
-        lines.clear()
-        monkeypatch.setattr(attention, "_logged", set())  # the next run: a new process
-        monkeypatch.setattr(once, "_said", set())
-        once.forget()
-        assert _evaluation(s, 2).loaded is True and _evaluation(s, 2).loaded is True
-        assert lines == [said]
-        assert once.decisions()["model.attention"] == {"cpu_fused": ["backend cpu"]}
-    finally:
-        log.setLevel(level)
+@pytest.mark.kernels  # auto picks the fused attention where it built
+def test_a_loaded_program_traces_nothing_and_the_plan_says_what_auto_chose(small_cfg, cache):
+    """What auto chose is the run plan's, resolved before anything is traced: a run that loads its programs
+    from the cache traces no model and still has every choice (resolved.json, the start-up lines)."""
+    s = _setup(small_cfg)
+    assert s.plan.kernels.choice("attention").impl.name == "cpu_fused"
+    assert _evaluation(s, 2).loaded is False
+    assert _evaluation(s, 2).loaded is True
+    assert s.plan.kernels.lines()[0] == ("model.attention=auto -> cpu_fused (one fused kernel per (batch, kv head), "
+                                         "the rotary embedding inside)")
 
 
 def test_a_failed_store_is_said_once_and_the_run_goes_on(small_cfg, cache, monkeypatch):
@@ -161,7 +128,7 @@ def test_a_failed_store_is_said_once_and_the_run_goes_on(small_cfg, cache, monke
     handler = logging.Handler()
     handler.emit = lambda r: lines.append(r.getMessage())
     monkeypatch.setattr(logging.getLogger("jaxtrain"), "handlers", [handler])
-    monkeypatch.setattr(program_cache, "_store_failed", [])
+    monkeypatch.setattr(program_files, "_store_failed", [])
     s = _setup(small_cfg)
     s._program_key = program_cache.key(s)
     (cache / s._program_key).write_text("a file where the entry's folder goes")
@@ -205,12 +172,12 @@ def test_output_structures_round_trip_through_json():
     state = {"params": {"w": 1.0}, "opt": (State(1.0, 2.0),)}
     refs = {"state": jax.tree_util.tree_structure(state)}
     out = (state, {"loss": 1.0, "aux": [None, 2.0]})
-    encoded = program_cache._encode(out, refs)
+    encoded = program_files.encode(out, refs)
     assert encoded == {"tuple": [{"ref": "state"}, {"dict": {"loss": "leaf", "aux": {"list": [None, "leaf"]}}}]}
-    decoded = program_cache._decode(__import__("json").loads(__import__("json").dumps(encoded)), refs)
+    decoded = program_files.decode(__import__("json").loads(__import__("json").dumps(encoded)), refs)
     assert jax.tree_util.tree_structure(decoded) == jax.tree_util.tree_structure(out)
     with pytest.raises(TypeError, match="cannot record a State node"):
-        program_cache._encode((State(1.0, 2.0),), {})
+        program_files.encode((State(1.0, 2.0),), {})
 
 
 def test_linear_algebra_kernels_are_registered_only_for_a_program_that_calls_them(monkeypatch):
@@ -269,12 +236,13 @@ def test_an_attention_fallback_is_its_own_entry_and_bad_input_is_not_unexportabl
     (no compiler, say) must not hand its blockwise program to a later run where it did. And a config
     the model refuses while traced is the run's error, not a program the cache cannot take."""
     from jaxtrain.errors import ConfigError
-    from jaxtrain.kernels import cpu_fused
+    from jaxtrain.kernels.cpu import library as cpu_fused
     s = _setup(small_cfg)
     built = program_cache.key(s)
-    monkeypatch.setattr(cpu_fused, "availability", lambda: "unavailable")
-    s._program_key = None
-    assert program_cache.key(s) != built
+    monkeypatch.setattr(cpu_fused, "problem", lambda: "no C++ compiler")  # the plan then resolves otherwise
+    without = _setup(small_cfg)
+    assert without.plan.kernels.choice("attention").impl.name == "blockwise"
+    assert program_cache.key(without) != built
     assert program_cache.key(_setup(small_cfg, "model.attention=blockwise")) == program_cache.key(
         _setup(small_cfg, "model.attention=blockwise"))
 

@@ -10,7 +10,7 @@ from jax.sharding import AxisType, Mesh
 from jaxtrain.analysis import collectives
 from jaxtrain.config import MESH_AXES
 from jaxtrain.errors import RingAttentionError
-from jaxtrain.kernels import ring
+from jaxtrain.kernels.xla import ring
 from jaxtrain.parallel.activations import activation_sharding
 from jaxtrain.parallel.rules import Rules
 from jaxtrain.train import setup

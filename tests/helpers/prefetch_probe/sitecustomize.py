@@ -5,7 +5,7 @@ test's "every executable came from the prefetch" holds. With this, the test chec
 thread loads and hands over, not which thread is faster."""
 import time
 
-from jaxtrain.train import prefetch
+from jaxtrain.kernels.cpu import prefetch
 
 _cache_read = prefetch._cache_read
 

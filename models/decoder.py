@@ -15,7 +15,7 @@ With ``scan_layers`` the blocks are one module whose parameters are stacked on a
 flat as depth grows. The initial values equal the unstacked layout's. ``remat`` recomputes each
 block's activations in the backward pass: 'full' saves only the block input, 'save_matmuls'
 also keeps the weight-matmul outputs (JAX's ``dots_with_no_batch_dims_saveable``, MaxText's
-"minimal" policy, and the fused CPU matmul's, named ``cpu_matmul``).
+"minimal" policy, and the kernels' matmul outputs, named ``kernel_matmul``).
 """
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ from jaxtrain.cli.common import (
     cli,
     config_args,
     enable_compilation_cache,
+    exit_now,
     log_to_console,
     prog,
     start_backend,
@@ -38,6 +39,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Runs the command line; returns its exit code. A process of a multi-process job does not return: it
+    ends here with the code (:func:`jaxtrain.cli.common.exit_now`), as ``python -m jaxtrain.train`` does,
+    so a wrapper's ``sys.exit(main())`` ends the job as one (the interpreter's own finalization tore down
+    process 0's coordination service under its live client: SIGABRT after a committed run)."""
     signals.during_startup()  # first: a preemption notice may come while jax still imports
     # Automatic garbage collection is off from here, as in the loop (train.hooks.GarbageCollection,
     # torchtitan disables it at its trainer's start too): imports and tracing make millions of
@@ -47,6 +52,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     collecting = gc.isenabled()
     gc.disable()
     hooks = provider_hooks.hooks(plugins=False)  # the kernel providers' start-up hooks (before JAX is imported)
+    code: Optional[int] = None
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
 
@@ -78,12 +84,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             signals.check_startup()
             fit(cfg)
             heartbeat.end_run()
-        return cli(body)
+        code = cli(body)
+        return code
     finally:
         for hook in hooks:
             hook.command_end()
         if collecting:
             gc.enable()
+        heartbeat = sys.modules.get("jaxtrain.runtime.heartbeat")
+        if code is not None and heartbeat is not None and heartbeat.in_job():
+            exit_now(code)
 
 
 if __name__ == "__main__":

@@ -34,8 +34,10 @@ def implementation_key(op: str, field: str):
 
 
 class Section(BaseModel):
-    # strict: no bool -> int or 2.5 -> int coercion (ints are still accepted for floats).
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True)
+    # strict: no bool -> int or 2.5 -> int coercion (ints are still accepted for floats). No float key
+    # takes NaN or an infinity: a timeout of .nan passed validation and then made every SIGTERM exit at
+    # once, or a join die converting it to an int (a limit of "none" is null where a key allows it).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
 
 
 

@@ -240,9 +240,14 @@ def check_pipeline_against_mesh(cfg: "Config", axis_sizes: dict[str, int]) -> No
       ConfigError: naming the key and what would divide.
     """
     stages = axis_sizes.get("stage", 1)
-    if stages == 1:
+    p = cfg.pipeline
+    if stages == 1:  # a pipeline key without a pipeline would be ignored: named instead
+        for key, default in (("schedule", "gpipe"), ("microbatches", 0), ("repeats", 1)):
+            if getattr(p, key) != default:
+                raise ConfigError(f"pipeline.{key}: {getattr(p, key)} without a pipeline (mesh.stage=1); set "
+                                  f"mesh.stage to the number of stages, or leave pipeline.{key} at {default}")
         return
-    p, micro, m = cfg.pipeline, cfg.micro_batch, cfg.microbatches
+    micro, m = cfg.micro_batch, cfg.microbatches
     batch_div = axis_sizes["data"] * axis_sizes["fsdp"] * axis_sizes["expert"]
     if micro % m or (micro // m) % batch_div:
         raise ConfigError(f"pipeline.microbatches: the micro-batch of {micro} sequences splits into {m} pipeline "

@@ -156,6 +156,8 @@ def _validation_error(err: ValidationError) -> ConfigError:
     got = first.get("input")
     if first["type"] == "value_error" and isinstance(first.get("ctx", {}).get("error"), ConfigError):
         return first["ctx"]["error"]
+    if first["type"] == "finite_number":  # NaN or an infinity, refused for every float key (config.base.Section)
+        return ConfigError(f"{key}: must be a finite number, got {got}")
     msg = first["msg"] if len(loc) == len(first["loc"]) else "Input should be a bool, int, float or string"
     if got is None and loc and ":" in loc[-1]:  # '{a.jsonl:3}': YAML reads one key 'a.jsonl:3' with no value
         head, _, tail = loc[-1].rpartition(":")

@@ -35,7 +35,13 @@ class TrainingExited(RuntimeError):
 
     def __init__(self, code: int, rank: int, size: int, node: str):
         super().__init__(f"jaxtrain.train exited with code {code} on worker {rank} of {size} (node {node})")
-        self.code = code
+        self.code, self.rank, self.size, self.node = code, rank, size, node
+
+    def __reduce__(self):
+        # Ray sends a worker's exception to the driver serialized; the default rebuilds it from the
+        # message alone (BaseException.args), which this __init__ cannot take: the driver then failed
+        # with a TypeError and lost the training's exit code.
+        return type(self), (self.code, self.rank, self.size, self.node)
 
 
 def child_env(base: Mapping[str, str], extra: Mapping[str, str], coordinator: str, size: int,

@@ -240,8 +240,11 @@ def model_names(model_spec: Any, micro: dict) -> set[str]:
 
 
 def check_names(wanted: Iterable[str], tagged: Iterable[str], model: str) -> None:
-    """Raises ConfigError naming the ``offload.activations`` entries ``model`` does not tag."""
-    tagged = sorted(set(tagged))
+    """Raises ConfigError naming the ``offload.activations`` entries ``model`` does not tag. The kernels' own
+    tag of their matmul outputs (``jaxtrain.kernels.ops.MATMUL_NAME``, for remat) is not an activation a
+    user offloads: it exists only where a kernel runs, so accepting it would depend on the device count."""
+    from jaxtrain.kernels.ops import MATMUL_NAME
+    tagged = sorted(set(tagged) - {MATMUL_NAME})
     unknown = [n for n in wanted if n not in tagged]
     if unknown:
         known = ", ".join(tagged) if tagged else "none (tag activations with jax.ad_checkpoint.checkpoint_name)"

@@ -146,6 +146,18 @@ def finished() -> None:
         _heartbeat["current"].finished()
 
 
+def in_job() -> bool:
+    """Whether this process is one of a multi-process job's (its heartbeat started)."""
+    return _heartbeat["current"] is not None
+
+
+def detection_s() -> float:
+    """The longest a dead peer goes unnamed in this job: ``distributed.peer_timeout_s`` and two beats (its last
+    beat is seen up to one beat late, and the silence is checked once a beat); 0 outside a job."""
+    beat = _heartbeat["current"]
+    return 0.0 if beat is None else beat.timeout + 2 * beat.interval
+
+
 def end_run() -> None:
     """A multi-process run that ended normally. Process 0 hosts the coordination service, and JAX's
     client aborts a process that is still alive when the service goes (``Terminating process because

@@ -18,7 +18,9 @@ precompiled evaluation's or sample's) has a limit of its own, ``train.compile_ti
 but not limited here.
 
 With ``train.hang_timeout_s: null`` the limit of one step is ``max(HANG_FLOOR_S, HANG_FACTOR x``
-the slowest step measured so far), so no healthy step reaches it.
+the slowest step measured so far), so no healthy step reaches it; in a multi-process job it is also
+beyond the time the heartbeat takes to name a dead peer (``distributed.peer_timeout_s`` and two beats),
+so a process waiting in a collective for a peer that died is told which one died, not that it hangs.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from jaxtrain.runtime import heartbeat
 
 HANG_FLOOR_S = 300.0  # the automatic limit of one step is never below this
 HANG_FACTOR = 20.0  # ... and is this many times the slowest step measured so far
+HANG_MARGIN_S = 30.0  # ... and this much beyond the heartbeat's naming of a dead peer
 STUCK = "a collective whose peers never arrive, or a deadlocked runtime"  # device work's likely cause
 
 
@@ -121,7 +124,8 @@ class Watchdog:
         """The limit of work of ``scale`` steps, in seconds."""
         if self.limit_s is not None:
             return self.limit_s * scale
-        return max(HANG_FLOOR_S, HANG_FACTOR * self.slowest_step) * scale
+        floor = max(HANG_FLOOR_S, heartbeat.detection_s() + HANG_MARGIN_S)
+        return max(floor, HANG_FACTOR * self.slowest_step) * scale
 
     def waiting_for(self) -> str:
         """What the process waits for now, in words ('' when nothing): for a SIGTERM's grace message."""

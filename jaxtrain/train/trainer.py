@@ -58,6 +58,15 @@ def fit(cfg: Config, model_spec: Optional[ModelSpec] = None, data: Any = None, *
     """
     if model_spec is not None and data is None:
         raise ValueError("fit: a ModelSpec needs its data source (e.g. jaxtrain.data.ArrayData)")
+    # The run's mesh is its own (config mesh.*): a mesh the caller set (jax.set_mesh, a notebook habit) is
+    # not in effect while it trains, or its Explicit axes would turn the model's sharding constraints into
+    # failed assertions.
+    with jax.set_mesh(None):
+        return _run(cfg, model_spec, data, devices, quiet, hooks)
+
+
+def _run(cfg: Config, model_spec: Optional[ModelSpec], data: Any, devices: Optional[Sequence[jax.Device]],
+         quiet: bool, hooks: Sequence[Hook]) -> RunResult:
     primary = heartbeat.is_primary()
     if cfg.run.reuse_host_memory:
         host_memory.reuse_freed_memory()

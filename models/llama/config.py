@@ -19,7 +19,7 @@ class RopeScaling(BaseModel):
     values); ``model.rope_scaling=null`` turns it off. See ``rope_frequencies`` in ``model.py``.
     """
 
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
     type: Literal["llama3"] = "llama3"
     factor: float = 8.0  # wavelengths longer than the low-frequency bound are stretched by this
@@ -114,16 +114,18 @@ class LlamaConfig(ModelConfig):
         for key in ("n_heads", "n_kv_heads"):
             if getattr(self, key) % tp:
                 raise ConfigError(f"model.{key}: {getattr(self, key)} is not divisible by mesh.tensor={tp}")
-        self._check_stages(cfg, axis_sizes.get("stage", 1))
+        self._check_stages(cfg, axis_sizes.get("stage", 1), math.prod(axis_sizes.values()))
 
-    def _check_stages(self, cfg, stages: int) -> None:
-        """The layers split evenly into the pipeline's stages (and the circular schedule's chunks)."""
+    def _check_stages(self, cfg, stages: int, devices: int) -> None:
+        """The layers split evenly into the pipeline's stages (and the circular schedule's chunks); the hint
+        names only stage counts that split the layers and divide the ``devices``."""
         if stages == 1:
             return
         chunks = stages * cfg.pipeline.repeats
         if self.n_layers % chunks:
             near = sorted({(self.n_layers // chunks) * chunks, (self.n_layers // chunks + 1) * chunks} - {0})
-            whole = [d for d in range(2, self.n_layers + 1) if self.n_layers % (d * cfg.pipeline.repeats) == 0]
+            whole = [d for d in range(2, self.n_layers + 1)
+                     if self.n_layers % (d * cfg.pipeline.repeats) == 0 and devices % d == 0]
             what = f"mesh.stage={stages}" + (f" x pipeline.repeats={cfg.pipeline.repeats}"
                                              if cfg.pipeline.repeats > 1 else "")
             other = f", or mesh.stage in {whole}" if whole else ""

@@ -36,9 +36,10 @@ class Job:
     """``processes`` trainers of one job (``devices`` CPU devices each); output goes to files."""
 
     def __init__(self, processes: int, devices: int, args: list[str], extra_env: dict | None = None,
-                 log_dir: Path | None = None, only: list[int] | None = None, per_process: dict | None = None):
+                 log_dir: Path | None = None, only: list[int] | None = None, per_process: dict | None = None,
+                 entry: tuple[str, ...] = ("-m", "jaxtrain.train")):
         """``only``: start just these process ids (the others never come). ``per_process``: ``{id: (extra
-        args, extra env)}`` for some of them."""
+        args, extra env)}`` for some of them. ``entry``: how the interpreter starts the trainer."""
         self.port = portpicker.pick_unused_port()
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="jaxtrain-job-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -51,7 +52,7 @@ class Job:
             env.update(more_env)
             log = open(self.log_dir / f"process{i}.log", "w")
             self.logs.append(log)
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "jaxtrain.train", *args, *more_args], env=env,
+            self.procs.append(subprocess.Popen([sys.executable, *entry, *args, *more_args], env=env,
                                                cwd=REPO,
                                                stdout=log, stderr=subprocess.STDOUT))
 

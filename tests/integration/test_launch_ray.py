@@ -93,6 +93,17 @@ def test_a_failed_run_ends_with_the_training_process_exit_code():
                                              "lost", 1)
 
 
+def test_a_workers_exit_code_survives_rays_serialization():
+    """Ray re-raises a worker's exception in the driver from its serialized form: TrainingExited must rebuild
+    with its code (at 5eb7ae3 it rebuilt from the message alone and failed with a TypeError, exit 1)."""
+    import pickle
+    sent = ray_worker.TrainingExited(2, 1, 2, "10.0.0.3")
+    got = pickle.loads(pickle.dumps(sent))
+    assert (type(got), str(got), got.code, got.rank, got.size, got.node) == (
+        ray_worker.TrainingExited, str(sent), 2, 1, 2, "10.0.0.3")
+    assert ray_launcher._failure(got, {"name": "shk", "max_failures": 0}).exit_code == 2
+
+
 # ---- a real cluster ---------------------------------------------------------------------------------
 
 TRAIN = ["train.steps=32", "train.log_every=1", "train.eval_every=1000", "train.eval_batches=1",

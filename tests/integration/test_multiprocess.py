@@ -184,3 +184,18 @@ def test_processes_told_different_counts_are_refused(tmp_path, corpus_path):
     assert ("error: distributed.num_processes: this process was told 3 (JAXTRAIN_* environment) but the job formed "
             "with 2 (process 0's value); give every process the same number") in job.output(1)
     assert "process 1 of 2 ended with exit code 2" in job.output(0)
+
+
+WRAPPER = "import sys; from jaxtrain.cli.train import main; sys.exit(main())"
+
+
+def test_a_wrapper_scripts_sys_exit_of_main_ends_every_process_at_once(tmp_path, corpus_path):
+    """How a wrapper script calls the trainer: ``sys.exit(main())``, not ``python -m``. At 5eb7ae3 the job
+    completed and committed, then process 0 waited distributed.peer_timeout_s for a last word that only
+    the ``python -m`` path said, and died of SIGABRT."""
+    start = time.monotonic()
+    job = mp.run(2, 4, args(corpus_path, tmp_path / "run", "train.steps=2", "train.eval_every=2",
+                             "distributed.peer_timeout_s=120"), entry=("-c", WRAPPER))
+    assert time.monotonic() - start < 120  # not the peer timeout: process 0 heard the other's word
+    assert "did not reach the end of the run" not in job.output(0)
+    assert sorted(mp.losses(tmp_path / "run")) == [1, 2]

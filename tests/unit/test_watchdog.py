@@ -61,3 +61,24 @@ def test_a_compile_without_a_limit_is_only_described(tmp_path):
     work.end()
     assert dog.waiting_for() == ""
     dog.close()
+
+
+def test_the_automatic_limit_outlasts_the_naming_of_a_dead_peer(tmp_path, monkeypatch):
+    """With the default timeouts the automatic hang limit (300 s at least) and distributed.peer_timeout_s
+    (300 s) expired together: a process waiting in a collective for a SIGKILLed peer said first that it was
+    'alive but stuck'. The automatic limit now ends past the heartbeat's own deadline."""
+    import types
+
+    from jaxtrain.runtime import heartbeat, watchdog
+    dog = Watchdog(None, tmp_path, on_hang=lambda message: None, poll_s=0.01)
+    try:
+        assert dog.limit(1) == watchdog.HANG_FLOOR_S  # one process: as before
+        beat = types.SimpleNamespace(timeout=300.0, interval=5.0)  # the defaults' heartbeat
+        monkeypatch.setitem(heartbeat._heartbeat, "current", beat)
+        assert heartbeat.detection_s() == 310.0
+        assert dog.limit(1) == 310.0 + watchdog.HANG_MARGIN_S and dog.limit(2) == 2 * (310.0 + watchdog.HANG_MARGIN_S)
+        fixed = Watchdog(120.0, tmp_path, on_hang=lambda message: None)
+        assert fixed.limit(1) == 120.0  # a limit set is kept
+        fixed.close()
+    finally:
+        dog.close()

@@ -324,9 +324,19 @@ def _plan(args: argparse.Namespace) -> int:
         print("\nnot compiled:")
         for c in others:
             print(f"  {c.rules:8s} {c.mesh_str}  {c.status}: {c.reason}")
-    if not any(c.status == "compiled" for c in cands):  # nothing to rank: the config cannot run on any of them
+    compiled = [c for c in cands if c.status == "compiled"]
+    if not compiled:  # nothing to rank: the config cannot run on any of them
         sys.stdout.flush()
         raise ConfigError(f"plan: no candidate compiled on {args.devices} devices; each one's reason is above")
+    if budget is not None:  # the verdict `plan ... && train` can act on
+        fitting = [c for c in compiled if c.fits or c.layout is not None]
+        print(f"\nverdict: {len(fitting)} of {len(compiled)} compiled candidates fit --device-memory "
+              f"{args.device_memory}" + (f" (best: {rank(fitting)[0].rules} {rank(fitting)[0].mesh_str})" if fitting
+                                         else ""))
+        if not fitting:
+            sys.stdout.flush()
+            raise ConfigError(f"--device-memory: no candidate fits {args.device_memory} per device on {args.devices} "
+                              f"devices, as configured or with a remat or offload layout; see OVER above")
     return 0
 
 

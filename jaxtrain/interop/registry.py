@@ -15,12 +15,14 @@ alias stays where it was. The server is ``metrics.mlflow_tracking_uri`` or ``$ML
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from jaxtrain.checkpoint.checkpointer import Checkpointer
 from jaxtrain.config import load
@@ -161,7 +163,7 @@ def check_files(uri: str, version: Any, expected: dict[str, str]) -> None:
       RegistryError: a file differs, is missing, or is not in the export; each one is named.
     """
     import mlflow.artifacts
-    with tempfile.TemporaryDirectory(prefix="jaxtrain-register-check-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="jaxtrain-register-check-") as tmp, _environment_uri(uri):
         local = mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{version.name}/{version.version}",
                                                     dst_path=tmp, tracking_uri=uri, registry_uri=uri)
         got = file_digests(Path(local))
@@ -170,6 +172,24 @@ def check_files(uri: str, version: Any, expected: dict[str, str]) -> None:
     if bad:
         raise RegistryError(f"--register: model '{version.name}' version {version.version}: the registry's files "
                             f"differ from the export: " + "; ".join(bad))
+
+
+@contextlib.contextmanager
+def _environment_uri(uri: str) -> Iterator[None]:
+    """``$MLFLOW_TRACKING_URI`` and ``$MLFLOW_REGISTRY_URI`` set to ``uri`` while inside: MLflow 3 resolves
+    a ``models:/`` URI against the process's registry, not the one download_artifacts is given (without
+    the variable, the run's own metrics.mlflow_tracking_uri failed with 'Registered Model ... not found'
+    after the version was created)."""
+    saved = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
+    os.environ.update(dict.fromkeys(saved, uri))
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _difference(name: str, want: Optional[str], got: Optional[str]) -> str:

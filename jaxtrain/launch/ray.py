@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import time
@@ -65,8 +66,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 def _resources(args: argparse.Namespace) -> dict:
     """Ray resources per worker; a bad or TPU request is a LaunchError naming the flag."""
-    if args.cpus_per_worker <= 0:
-        raise LaunchError(f"--cpus-per-worker: must be > 0, got {args.cpus_per_worker:g}")
+    if not 0 < args.cpus_per_worker < math.inf:  # NaN and inf passed a plain "<= 0" check
+        raise LaunchError(f"--cpus-per-worker: must be a finite number > 0, got {args.cpus_per_worker:g}")
     out: dict = {"CPU": args.cpus_per_worker}
     if args.gpus_per_worker:
         out["GPU"] = args.gpus_per_worker
@@ -76,7 +77,7 @@ def _resources(args: argparse.Namespace) -> dict:
                               f"slices use the gke target)")
         try:
             out[name] = float(amount)
-            assert out[name] > 0
+            assert 0 < out[name] < math.inf
         except (ValueError, AssertionError):
             raise LaunchError(f"--resource: expected NAME=AMOUNT with AMOUNT > 0, got '{name}={amount}'") from None
     return out

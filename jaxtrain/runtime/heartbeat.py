@@ -57,19 +57,24 @@ class Heartbeat:
         from jax._src import distributed as jd
         state = jd.global_state
         self.client, self.pid, self.n = state.client, state.process_id, state.num_processes
-        self.timeout, self.count, self.stop = peer_timeout_s, 0, threading.Event()
+        self.timeout, self.count, self.looks, self.stop = peer_timeout_s, 0, 0, threading.Event()
         self.seen: dict[int, tuple[str, float]] = {}
         self.failing_since: Optional[float] = None
         self.ended = False  # the run ended normally; a process other than 0 says so last (end_run, last_word)
         self.interval = max(0.5, min(5.0, peer_timeout_s / 6))
         outlive.announce(self.client, self.pid)  # where process 0 can watch this one end (end_run, leave)
-        self.thread = _every(self.interval, self.stop, self._tick, "jaxtrain-heartbeat")
+        # It beats once an interval and looks twice: a dead peer's last beat is seen at most half an interval
+        # late and its silence checked every half, so it is named within peer_timeout_s and one interval
+        # of its death (looking once an interval took up to two, and the hang watchdog's floor came first).
+        self.thread = _every(self.interval / 2, self.stop, self._tick, "jaxtrain-heartbeat")
 
     def _tick(self, elapsed: float) -> bool:
         now = time.monotonic()
         try:
-            self.count += 1
-            self.client.key_value_set(f"jaxtrain/alive/{self.pid}", str(self.count), allow_overwrite=True)
+            self.looks += 1
+            if self.looks % 2:
+                self.count += 1
+                self.client.key_value_set(f"jaxtrain/alive/{self.pid}", str(self.count), allow_overwrite=True)
             # Process 0 watches everyone, the others watch process 0 (which then tells them): O(N) reads.
             if self.pid == 0:
                 alive = dict(self.client.key_value_dir_get("jaxtrain/alive/"))
@@ -152,10 +157,10 @@ def in_job() -> bool:
 
 
 def detection_s() -> float:
-    """The longest a dead peer goes unnamed in this job: ``distributed.peer_timeout_s`` and two beats (its last
-    beat is seen up to one beat late, and the silence is checked once a beat); 0 outside a job."""
+    """The longest a dead peer goes unnamed in this job: ``distributed.peer_timeout_s`` and one beat (its last
+    beat is seen up to half a beat late, and the silence is checked twice a beat); 0 outside a job."""
     beat = _heartbeat["current"]
-    return 0.0 if beat is None else beat.timeout + 2 * beat.interval
+    return 0.0 if beat is None else beat.timeout + beat.interval
 
 
 def end_run() -> None:

@@ -19,7 +19,7 @@ but not limited here.
 
 With ``train.hang_timeout_s: null`` the limit of one step is ``max(HANG_FLOOR_S, HANG_FACTOR x``
 the slowest step measured so far), so no healthy step reaches it; in a multi-process job it is also
-beyond the time the heartbeat takes to name a dead peer (``distributed.peer_timeout_s`` and two beats),
+beyond the time the heartbeat takes to name a dead peer (``distributed.peer_timeout_s`` and one beat),
 so a process waiting in a collective for a peer that died is told which one died, not that it hangs.
 """
 from __future__ import annotations

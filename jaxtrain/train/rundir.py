@@ -152,6 +152,21 @@ def resume_changes(cfg: Config, run_dir: Path, vocab: Optional[int] = None) -> t
     return shape_keys, notes
 
 
+def check_data_position(cfg: Config, run_dir: Path) -> None:
+    """A checkpoint's data position was reached with the saved ``train.global_batch``: resuming it with
+    another would skip or repeat training data (a resume 16 -> 32 skipped rows 64-127 of the data order).
+
+    Raises:
+      ConfigError: naming both batch sizes and what to do.
+    """
+    path = run_dir / "config.yaml"
+    saved = (yaml.safe_load(path.read_text()) or {}).get("train", {}).get("global_batch") if path.is_file() else None
+    if saved is not None and saved != cfg.train.global_batch:
+        raise ConfigError(f"train.global_batch: {cfg.train.global_batch}, but the checkpoint's data position was "
+                          f"reached with {saved} sequences a step; resuming with another batch would skip or "
+                          f"repeat training data. Resume with train.global_batch={saved}, or start a new run.dir")
+
+
 _UNSET_MEANS = {"model.vocab_size": "the tokenizer's", "model.max_positions": "data.seq_len"}
 
 

@@ -236,6 +236,7 @@ def resume(s: Setup, ckpt: Optional[Checkpointer], batches, run_dir: Path, out: 
     for key in shape_keys:  # restored all the same (e.g. param_dtype: the values were cast)
         out.info(f"[yellow]note:[/] {key} (restored as the config says)")
     if data_state:  # empty for an imported checkpoint (jaxtrain.export --import)
+        rundir.check_data_position(s.cfg, run_dir)
         batches.set_state(data_state)
     saved_mesh = ckpt.saved_mesh(latest)
     resharded = f" (resharded from mesh {saved_mesh})" if saved_mesh and saved_mesh != dict(s.mesh.shape) else ""

@@ -16,9 +16,10 @@ class MixtralConfig(LlamaConfig):
 
     ``n_experts`` SwiGLU experts per layer, of which the router picks ``top_k`` per token.
     ``routing``: ``dropless`` (every copy is computed: sort by expert + grouped matmul) or
-    ``capacity`` (``ceil(capacity_factor * length * top_k / n_experts)`` slots per expert and
-    sequence; copies past them are dropped). ``aux_loss_weight`` scales the load-balancing loss
-    (Switch Transformer), ``z_loss_weight`` the router z-loss (ST-MoE); both are added to the loss.
+    ``capacity`` (``ceil(capacity_factor * tokens * top_k / n_experts)`` slots per expert and
+    sequence, ``tokens`` its real ones, padding left out; copies past them are dropped).
+    ``aux_loss_weight`` scales the load-balancing loss (Switch Transformer), ``z_loss_weight`` the
+    router z-loss (ST-MoE); both are added to the loss.
     """
 
     family: Literal["mixtral"] = "mixtral"  # type: ignore[assignment]
@@ -65,6 +66,8 @@ class MixtralConfig(LlamaConfig):
                 axis_sizes["expert"], rules.name, self.n_experts)
 
     def capacity(self, seq_len: int) -> int:
-        """Slots per expert and sequence under ``routing: capacity`` (GShard's expert capacity), in
-        [1, seq_len]: an expert meets each token at most once, so more slots than tokens stay empty."""
+        """Slots per expert and sequence of ``seq_len`` real tokens under ``routing: capacity`` (GShard's
+        expert capacity; the layer sizes its buffers for the padded length and gives each sequence its
+        own), in [1, seq_len]: an expert meets each token at most once, so more slots than tokens stay
+        empty."""
         return min(seq_len, max(1, math.ceil(self.capacity_factor * seq_len * self.top_k / self.n_experts)))

@@ -88,8 +88,14 @@ class MoE(nnx.Module):
         slots, capacity = None, None
         real_copies = jnp.broadcast_to(valid[..., None], idx.shape)
         if cfg.routing == "capacity":
-            capacity = cfg.capacity(x.shape[1])
+            capacity = cfg.capacity(x.shape[1])  # the buffers' slots: the (padded) length's
             slots = capacity_slots(idx, cfg.n_experts, valid)
+            # Each sequence has the capacity of its real tokens: the same tokens drop the same copies
+            # however far they are padded (sized from the padded length, 8 real tokens dropped 0.375 of
+            # their copies alone and none padded to 16). A copy past its own capacity goes past the buffers.
+            table = jnp.asarray([cfg.capacity(n) if n else 0 for n in range(x.shape[1] + 1)], slots.dtype)
+            own = table[valid.sum(1)]  # [b]: cfg.capacity of each sequence's real tokens, exactly
+            slots = jnp.where(slots < own[:, None, None], slots, capacity)
             dropped = (slots >= capacity) & real_copies
             stats["dropped"] = dropped.sum() / jnp.maximum(real_copies.sum(), 1)
         else:

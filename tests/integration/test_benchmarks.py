@@ -25,6 +25,7 @@ def rounded_ratio(ratio: float, num: float, den: float, unit: float, ratio_unit:
     return (num - h) / (den + h) - r <= ratio <= (num + h) / (den - h) + r
 
 
+@pytest.mark.slow  # over ~20 s on 2 cores (CI's durations)
 def test_loop_overhead_compares_the_trainers_logged_step_with_the_bare_step():
     out = run_quick("loop_overhead.py")
     ratio = re.search(r"the trainer's step is ([0-9.]+)x the bare step", out)

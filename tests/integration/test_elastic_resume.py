@@ -6,6 +6,7 @@ from pathlib import Path
 
 import batch_log
 import multiproc as mp
+import pytest
 
 from jaxtrain import config as cfglib
 from jaxtrain.data import arrays
@@ -25,6 +26,7 @@ def _args(corpus: str, run_dir: Path, steps: int) -> list[str]:
     return ["--config", CONFIG, f"data.path={corpus}", f"run.dir={run_dir}", *TINY, f"train.steps={steps}"]
 
 
+@pytest.mark.slow  # over ~20 s on 2 cores (CI's durations)
 def test_resume_on_fewer_then_more_devices_keeps_both_batches(tmp_path, corpus_path, monkeypatch):
     ref_log = tmp_path / "reference.batches"
     monkeypatch.setattr(arrays.BatchIterator, "__init__", batch_log.logging_init(str(ref_log)))

@@ -41,7 +41,10 @@ def test_dry_run_prints_the_run():
     (["--resource", "TPU=4"], ("--resource: TPU is not taken here (CPU and GPU have their own flags; for TPU slices "
                                "use the gke target)")),
     (["--resource", "shm=lots"], "--resource: expected NAME=AMOUNT with AMOUNT > 0, got 'shm=lots'"),
-    (["--cpus-per-worker", "0"], "--cpus-per-worker: must be > 0, got 0"),
+    (["--cpus-per-worker", "0"], "--cpus-per-worker: must be a finite number > 0, got 0"),
+    (["--cpus-per-worker", "nan"], "--cpus-per-worker: must be a finite number > 0, got nan"),
+    (["--cpus-per-worker", "inf"], "--cpus-per-worker: must be a finite number > 0, got inf"),
+    (["--resource", "shm=inf"], "--resource: expected NAME=AMOUNT with AMOUNT > 0, got 'shm=inf'"),
     (["--name", "my run"], "--name: 'my run' is not a valid Ray Train run name (letters, digits, '_', '.', '-')"),
     (["--coordinator-port", "70000"], ("argument --coordinator-port: must be a port in 1..65535, got 70000 (see "
                                        "python -m jaxtrain.launch ray --help)")),

@@ -184,6 +184,7 @@ TRAIN = ["train.steps=4", "train.log_every=1", "train.eval_every=4", "train.eval
          "checkpoint.every=4", "model.n_layers=1", "run.progress=false"]
 
 
+@pytest.mark.slow  # over ~20 s on 2 cores (CI's durations)
 def test_launched_job_trains_as_one_run_of_two_processes(slurm_cluster, capsys, monkeypatch, tmp_path,  # noqa: F811
                                                          corpus_path):
     """`jaxtrain.launch slurm` submits jaxtrain.train on 2 tasks of one node (2 CPU devices each): one run

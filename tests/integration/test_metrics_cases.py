@@ -219,3 +219,15 @@ def test_register_a_version_that_fails_or_stays_pending_is_named_and_the_alias_s
         assert 2 <= len(polls) <= 4 and took < 30  # polled about once a second, and gave up
     monkeypatch.undo()
     assert client.get_model_version_by_alias(name, "candidate").version == "1"
+
+
+def test_register_uses_the_runs_tracking_uri_without_the_environment(small_cfg, mlflow_server, monkeypatch, capsys):
+    """The server named by the run's own metrics.mlflow_tracking_uri, no $MLFLOW_TRACKING_URI: every call
+    (the version, its READY wait, the read-back of its files) goes there (5eb7ae3: an MlflowException
+    traceback, exit 1, with the version already created)."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    cfg = small_cfg("model.vocab_size=256", "mesh.data=1", "metrics.mlflow_experiment=register-uri",
+                    f"metrics.mlflow_tracking_uri={mlflow_server}")
+    run_dir = saved_run(cfg)
+    assert register(run_dir, "cases-uri") == 0, capsys.readouterr().err
+    assert "registered cases-uri version 1 (step 3, alias 'candidate')" in capsys.readouterr().out

@@ -51,6 +51,7 @@ def two_process_run(tmp_path_factory, corpus_path):
     return mp.run(2, 4, args(corpus_path, run_dir, "train.steps=4", "train.eval_every=4")), run_dir
 
 
+@pytest.mark.slow  # over ~20 s on 2 cores (CI's durations)
 def test_two_processes_train_like_one_and_speak_once(two_process_run, reference):
     job, run_dir = two_process_run
     assert close(mp.losses(run_dir), reference) and len(mp.losses(run_dir)) == 4, (mp.losses(run_dir), reference)
@@ -69,6 +70,7 @@ def test_two_processes_train_like_one_and_speak_once(two_process_run, reference)
     assert "distributed: process 1 of 2 joined (JAXTRAIN_* environment" in out1
 
 
+@pytest.mark.slow  # over ~20 s on 2 cores (CI's durations)
 def test_resume_onto_other_process_counts_and_tensor_parallelism_across_processes(tmp_path, corpus_path,
                                                                                   two_process_run, reference):
     """2 processes (steps 1-4) -> 1 (step 5) -> 2 (step 6) -> 4 x 2 devices with tensor=4 (steps 7-8): the
@@ -116,6 +118,7 @@ def test_a_signal_to_one_process_stops_every_process_at_one_step(tmp_path, corpu
     assert "error" not in job.output(1).lower()
 
 
+@pytest.mark.slow  # over ~20 s on 2 cores (CI's durations)
 def test_a_killed_process_ends_the_others_with_a_named_error(tmp_path, corpus_path):
     run_dir = tmp_path / "run"
     job = mp.Job(2, 4, args(corpus_path, run_dir, "train.steps=1000", "distributed.peer_timeout_s=15"))

@@ -35,6 +35,7 @@ def test_every_notebook_is_listed():
 
 
 @pytest.mark.parametrize("name", sorted(EXPECT))
+@pytest.mark.slow  # over ~20 s on 2 cores (CI's durations)
 def test_notebook_runs_and_is_committed_with_its_outputs(name):
     committed = nbformat.read(NOTEBOOKS / name, as_version=4)
     assert all(c.get("outputs") for c in committed.cells if c.cell_type == "code"), "commit it with outputs"

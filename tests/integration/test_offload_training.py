@@ -49,6 +49,7 @@ def run_steps(overrides, n_devices, steps=5):
 
 
 @pytest.mark.parametrize("n_devices", sorted(MESHES))
+@pytest.mark.slow  # over ~20 s on 2 cores (CI's durations)
 def test_every_offload_trains_like_no_offload(n_devices):
     base, base_state = run_steps(MESHES[n_devices], n_devices)
     assert base[-1] < base[0]
@@ -66,6 +67,7 @@ def assert_same(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.slow  # over ~20 s on 2 cores (CI's durations)
 def test_checkpoints_restore_across_offload_and_resume_is_exact(small_cfg):
     """Saved with offload, restored without it (and the other way round), bit for bit, into the target's memory
     kinds; a run with optimizer and parameter offload resumed from step 3 equals the uninterrupted one."""

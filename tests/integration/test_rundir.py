@@ -199,3 +199,18 @@ def test_a_layout_key_that_still_restores_is_said(small_cfg, capsys):
         devices=jax.devices()[:1], quiet=True)
     assert ("note: model.param_dtype: checkpoint has 'float32', config has 'bfloat16' (restored as the config says)"
             in capsys.readouterr().out)
+
+
+def test_a_resume_with_another_global_batch_is_refused_and_leaves_the_run_as_it_was(small_cfg):
+    """The data position counts steps of the saved batch: a resume 16 -> 32 skipped rows 64-127 of the data
+    order (5eb7ae3). Now a named error before anything is written; the same batch resumes."""
+    first = fit(small_cfg("train.steps=2", "checkpoint.every=2", run_dir="gb"), quiet=True)
+    saved = (first.run_dir / "config.yaml").read_bytes()
+    with pytest.raises(ConfigError) as e:
+        fit(small_cfg("train.steps=4", "checkpoint.every=2", "train.global_batch=16", run_dir="gb"), quiet=True)
+    assert str(e.value) == ("train.global_batch: 16, but the checkpoint's data position was reached with 8 sequences "
+                            "a step; resuming with another batch would skip or repeat training data. Resume with "
+                            "train.global_batch=8, or start a new run.dir")
+    assert (first.run_dir / "config.yaml").read_bytes() == saved
+    again = fit(small_cfg("train.steps=4", "checkpoint.every=2", run_dir="gb"), quiet=True)
+    assert sorted(again.losses) == [3, 4]

@@ -147,6 +147,7 @@ def test_a_failed_build_is_reported_and_leaves_nothing_behind(tmp_path, monkeypa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.cc"]  # no library, no temporary
 
 
+@pytest.mark.slow  # over ~20 s on 2 cores (CI's durations)
 def test_the_library_is_built_once_and_named_by_what_it_was_built_from(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXTRAIN_KERNEL_CACHE_DIR", str(tmp_path))
     first = cpu_fused._build(["c++"])
@@ -190,6 +191,7 @@ def test_a_new_process_loading_a_cached_program_registers_the_kernel_first(tmp_p
     assert len(losses[0]) == 3 and losses[0] == losses[1]
 
 
+@pytest.mark.slow  # over ~20 s on 2 cores (CI's durations)
 def test_a_warm_starts_prefetch_registers_a_library_already_built_and_builds_none(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXTRAIN_KERNEL_CACHE_DIR", str(tmp_path))
     registered = []
@@ -233,6 +235,7 @@ def test_an_explicit_choice_the_config_cannot_give_is_named_before_anything_is_b
                             "(use auto or blockwise)")
 
 
+@pytest.mark.slow  # over ~20 s on 2 cores (CI's durations)
 def test_a_stale_temporary_from_a_killed_build_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXTRAIN_KERNEL_CACHE_DIR", str(tmp_path))
     stale, fresh = tmp_path / "a.so.tmp", tmp_path / "b.so.tmp"

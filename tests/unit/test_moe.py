@@ -260,3 +260,19 @@ def test_routing_keys_are_checked_and_named():
         with pytest.raises(ConfigError) as e:
             cfglib.load(None, ["model.family=mixtral", override])
         assert str(e.value).startswith(message), str(e.value)
+
+
+def test_capacity_is_sized_from_the_real_tokens_not_the_padded_length():
+    """The same 8 real tokens drop the same copies alone and padded to 16 (5eb7ae3: 0.375 alone, 0 padded:
+    the padded length's capacity let every copy through)."""
+    cfg = CFG.model_copy(update={"routing": "capacity", "capacity_factor": 0.5})
+    moe, x, ws = layer(cfg, seed=5)
+    alone = x[:, :8]
+    padded = jnp.concatenate([alone, jnp.zeros_like(alone)], axis=1)
+    mask = jnp.concatenate([jnp.ones((3, 8)), jnp.zeros((3, 8))], axis=1)
+    y1, s1 = moe(alone)
+    y2, s2 = moe(padded, mask)
+    ref, dropped, _ = reference(np.asarray(alone, np.float64), *ws, cfg.top_k, cfg.capacity(8))
+    assert 0 < float(s1["dropped"]) == pytest.approx(dropped.mean()) == pytest.approx(float(s2["dropped"]))
+    np.testing.assert_allclose(np.asarray(y1), ref, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(y2[:, :8]), ref, atol=1e-5, rtol=0)

@@ -27,12 +27,13 @@ def test_padding_is_routed_nowhere_takes_no_capacity_and_is_not_in_the_router_lo
     moe, x, ws = layer(cfg, seed=3)
     mask = padded_mask(*x.shape[:2])
     y, stats = jax.jit(lambda m, v, k: m(v, k))(moe, x, jnp.asarray(mask))
-    capacity = cfg.capacity(x.shape[1]) if routing == "capacity" else None
     x64 = np.asarray(x, np.float64)
-    # The reference sees each sequence's real tokens only, as if the padding were not there.
+    # The reference sees each sequence's real tokens only, as if the padding were not there: its capacity
+    # too is that of its real tokens.
     want, copies, drops = np.zeros_like(x64), [], []
     for s in range(x.shape[0]):
         real = mask[s].astype(bool)
+        capacity = cfg.capacity(int(real.sum())) if routing == "capacity" else None
         ys, dropped, chosen = reference(x64[s:s + 1, real], *ws, cfg.top_k, capacity)
         want[s, real] = ys[0]
         copies.append(chosen[0])

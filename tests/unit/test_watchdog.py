@@ -75,8 +75,8 @@ def test_the_automatic_limit_outlasts_the_naming_of_a_dead_peer(tmp_path, monkey
         assert dog.limit(1) == watchdog.HANG_FLOOR_S  # one process: as before
         beat = types.SimpleNamespace(timeout=300.0, interval=5.0)  # the defaults' heartbeat
         monkeypatch.setitem(heartbeat._heartbeat, "current", beat)
-        assert heartbeat.detection_s() == 310.0
-        assert dog.limit(1) == 310.0 + watchdog.HANG_MARGIN_S and dog.limit(2) == 2 * (310.0 + watchdog.HANG_MARGIN_S)
+        assert heartbeat.detection_s() == 305.0
+        assert dog.limit(1) == 305.0 + watchdog.HANG_MARGIN_S and dog.limit(2) == 2 * (305.0 + watchdog.HANG_MARGIN_S)
         fixed = Watchdog(120.0, tmp_path, on_hang=lambda message: None)
         assert fixed.limit(1) == 120.0  # a limit set is kept
         fixed.close()

@@ -24,6 +24,7 @@ from __future__ import annotations
 PEER_EXIT = 5  # a peer did not join in time, or stopped answering
 HANG_EXIT = 5  # alive but stuck: the job cannot go on, as when a peer is lost
 GRACE_EXIT = 75  # EX_TEMPFAIL: the job may be retried
+NO_RETRY_EXITS = {2: "bad input", 3: "the run diverged"}  # exit codes a restart cannot fix (launchers end the job)
 
 
 class JaxtrainError(Exception):

@@ -275,6 +275,9 @@ def run(argv: Sequence[str], prog: str) -> int:
     processes, per_process, platform = job_devices(target, job, args)
     check_job(job, processes)
     check_mesh(job, processes, per_process, platform)
+    more = getattr(module, "check_devices", None)  # a target whose job may run on other device counts too
+    if more is not None:
+        more(job, args, per_process, platform)
     for message in module.notes(job, args):
         note(message)
     if args.dry_run:

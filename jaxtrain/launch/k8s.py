@@ -73,6 +73,10 @@ def resources(args: argparse.Namespace) -> dict:
         if not _QUALIFIED.match(name) or not QUANTITY.match(quantity):
             raise LaunchError(f"--resource: expected NAME=QUANTITY such as google.com/tpu=4 or memory=64Gi, "
                               f"got '{name}={quantity}'")
+        if quantity.startswith("-") or not re.search(r"[1-9]", quantity.split("e")[0].split("E")[0]):
+            # the API server refuses a negative limit only at submission; a zero one asks for nothing
+            raise LaunchError(f"--resource: {name} must be more than 0, got '{quantity}' (leave out what a pod "
+                              f"does not need)")
         out[name] = int(quantity) if quantity.isdigit() else quantity
     return out
 

@@ -4,7 +4,8 @@ Ray Train's ``JaxTrainer`` (``ray.train.v2.jax``) brings what a multi-host run n
 cluster: one worker per host placed together (a placement group, ``--placement``: spread over the
 nodes by default), the world rank and size, a failure budget (``--max-failures``: a worker that
 dies, or whose training process fails, restarts the whole group, which resumes from jaxtrain's
-latest checkpoint) and an elastic group (``--min-nodes``: start on as few as that, grow to
+latest checkpoint; a training process that exits with bad input (2) or divergence (3) ends the run
+with that code at once, unretried) and an elastic group (``--min-nodes``: start on as few as that, grow to
 ``--nodes``; every restart resumes with the batches kept, ``jaxtrain.train.elastic``). Its JAX
 backend is switched off (``JaxConfig(use_gpu=False, use_tpu=False)``): it would call
 ``jax.distributed.initialize`` inside the Ray worker itself, where jaxtrain's own start-up (watched
@@ -22,8 +23,10 @@ import math
 import os
 import re
 import time
+import uuid
+from dataclasses import replace
 
-from jaxtrain.errors import LaunchError, SubmitError
+from jaxtrain.errors import NO_RETRY_EXITS, LaunchError, SubmitError
 from jaxtrain.launch import ray_worker
 from jaxtrain.launch.common import Job, nonnegative_int, positive_int, require
 from jaxtrain.launch.k8s import parse_env_like, port
@@ -110,6 +113,49 @@ def build(job: Job, args: argparse.Namespace) -> dict:
     }
 
 
+def check_devices(job: Job, args: argparse.Namespace, per_process: int, platform: str) -> None:
+    """An elastic group (``--min-nodes``) may start, and restart, on any worker count from
+    ``--min-nodes`` to ``--nodes``: each must take the global batch, as ``--nodes`` itself does
+    (:func:`jaxtrain.launch.common.check_mesh`). With ``distributed.elastic`` (and a mesh axis of -1) a
+    restart keeps the first count's per-device micro-batch and changes ``train.grad_accum``
+    (:mod:`jaxtrain.train.elastic`), so every pair of first and later counts is checked as the
+    restarted run would be.
+
+    Raises:
+      LaunchError: naming ``--min-nodes``, the worker counts and the key that cannot hold.
+    """
+    low = args.min_nodes or job.nodes
+    if low == job.nodes:
+        return
+    from jaxtrain.config import MESH_AXES, from_dict
+    from jaxtrain.errors import ConfigError
+    from jaxtrain.launch.common import check_mesh
+    from jaxtrain.parallel.mesh import resolve_sizes
+    from jaxtrain.train.elastic import batch_devices, grad_accum_for
+    span = f"--min-nodes: the group may start or restart on any of {low}..{job.nodes} workers"
+    cfg, counts = job.cfg, range(low, job.nodes + 1)
+    elastic = cfg.distributed.elastic and any(getattr(cfg.mesh, a) == -1 for a in MESH_AXES)
+    for first in counts:
+        try:
+            check_mesh(job, first, per_process, platform)  # as the first run on that count sees it
+        except (ConfigError, LaunchError) as err:
+            if not (elastic and cfg.distributed.device_micro_batch):  # else the accumulation adapts at once
+                raise LaunchError(f"{span}, but on {first}: {err}") from None
+        if not elastic:
+            continue
+        per_device = cfg.distributed.device_micro_batch or cfg.micro_batch // batch_devices(
+            resolve_sizes(cfg.mesh, first * per_process))
+        for later in counts:
+            try:
+                tree = cfg.to_dict()
+                tree["train"]["grad_accum"] = grad_accum_for(
+                    cfg.train.global_batch, per_device, batch_devices(resolve_sizes(cfg.mesh, later * per_process)))
+                check_mesh(replace(job, cfg=from_dict(tree)), later, per_process, platform)
+            except (ConfigError, LaunchError) as err:
+                raise LaunchError(f"{span}, but a group started on {first} and restarted on {later} cannot keep "
+                                  f"its batch: {err}") from None
+
+
 def notes(job: Job, args: argparse.Namespace) -> list[str]:
     """Nothing to warn about: a checkpoint directory the nodes do not share is refused by jaxtrain at start."""
     return []
@@ -120,8 +166,9 @@ def render(spec: dict) -> str:
     return json.dumps(spec, indent=2)
 
 
-def _trainer(spec: dict):
-    """Ray Train's JaxTrainer for ``spec``, with its JAX backend off (the workers start jaxtrain themselves)."""
+def _trainer(spec: dict, board: str):
+    """Ray Train's JaxTrainer for ``spec``, with its JAX backend off (the workers start jaxtrain
+    themselves); its workers post an exit no restart can fix to the :class:`ray_worker.ExitBoard` ``board``."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.v2.jax import JaxConfig, JaxTrainer
     workers = spec["workers"] if spec["min_workers"] == spec["workers"] else (spec["min_workers"], spec["workers"])
@@ -130,7 +177,7 @@ def _trainer(spec: dict):
                             placement_strategy=spec["placement_strategy"])
     run = RunConfig(name=spec["name"], storage_path=spec["storage_path"],
                     failure_config=FailureConfig(max_failures=spec["max_failures"]))
-    return JaxTrainer(ray_worker.run, train_loop_config=spec["worker"], jax_config=JaxConfig(use_gpu=False,
+    return JaxTrainer(ray_worker.run, train_loop_config={**spec["worker"], "board": board}, jax_config=JaxConfig(use_gpu=False,
                       use_tpu=False), scaling_config=scaling, run_config=run)
 
 
@@ -145,13 +192,23 @@ def _failure(err: BaseException, spec: dict) -> SubmitError:
     return failure
 
 
+def _not_retried(code: int, rank: int, size: int, node: str, spec: dict) -> SubmitError:
+    """The launcher's error for a worker whose training ended with an exit no restart can fix."""
+    failure = SubmitError(f"Ray Train run '{spec['name']}' failed: jaxtrain.train exited with code {code} "
+                          f"({NO_RETRY_EXITS[code]}) on worker {rank} of {size} (node {node}); not retried: a "
+                          f"restart would fail the same way (the worker's output above says why)")
+    failure.exit_code = code
+    return failure
+
+
 def submit(spec: dict, job: Job, args: argparse.Namespace) -> str:
     """Runs the Ray Train run on the cluster and waits for it; returns the line to print.
 
     Raises:
       LaunchError: no cluster address, or Ray not installed.
-      SubmitError: the cluster is unreachable, or the run failed after its restarts (exit code: the
-        training process's, when one reported it).
+      SubmitError: the cluster is unreachable, the run failed after its restarts (exit code: the
+        training process's, when one reported it), or a worker's training ended with an exit no
+        restart can fix (bad input 2, divergence 3: that code, at once, without a restart).
     """
     if not spec["address"]:
         raise LaunchError("--address: no Ray cluster given: pass --address HOST:PORT (or auto, or ray://HOST:10001) "
@@ -163,13 +220,20 @@ def submit(spec: dict, job: Job, args: argparse.Namespace) -> str:
     except (ConnectionError, RuntimeError, ValueError) as err:
         raise SubmitError(f"cannot reach the Ray cluster at {spec['address']}: {str(err).splitlines()[0]}") from None
     t0 = time.monotonic()
-    error = None
+    error, final = None, None
     try:
-        _trainer(spec).fit()  # raises the run's error (TrainingFailedError) once the restarts are spent
-    except Exception as err:  # noqa: BLE001 - Ray Train's errors, whatever their class in this Ray version
-        error = err
+        name = f"exits-{spec['name']}-{uuid.uuid4().hex[:8]}"  # one per submission: two may share a run name
+        board = ray.remote(num_cpus=0)(ray_worker.ExitBoard).options(
+            name=name, namespace=ray_worker.BOARD_NAMESPACE).remote()
+        try:
+            _trainer(spec, name).fit()  # raises the run's error (TrainingFailedError) once the restarts are spent
+        except Exception as err:  # noqa: BLE001 - Ray Train's errors, whatever their class in this Ray version
+            error = err
+        final = ray.get(board.lowest.remote(), timeout=60)
     finally:
         ray.shutdown()
+    if final is not None:
+        raise _not_retried(*final, spec)
     if error is not None:
         raise _failure(error, spec)
     workers = spec["workers"] if spec["min_workers"] == spec["workers"] else \

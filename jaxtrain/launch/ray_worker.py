@@ -24,9 +24,11 @@ import subprocess
 import sys
 from typing import Mapping
 
+from jaxtrain.errors import NO_RETRY_EXITS
 from jaxtrain.runtime.job import RAY_VARS, TPU_VARS, is_shape_variable
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+BOARD_NAMESPACE = "jaxtrain"  # the Ray namespace of the launcher's ExitBoard actor
 
 
 class TrainingExited(RuntimeError):
@@ -42,6 +44,24 @@ class TrainingExited(RuntimeError):
         # message alone (BaseException.args), which this __init__ cannot take: the driver then failed
         # with a TypeError and lost the training's exit code.
         return type(self), (self.code, self.rank, self.size, self.node)
+
+
+class ExitBoard:
+    """Where the workers post an exit no restart can fix (:data:`jaxtrain.errors.NO_RETRY_EXITS`: bad
+    input, divergence), for the launcher to read: a Ray actor that the launcher starts, named per
+    submission. Ray Train retries every worker error up to ``--max-failures`` and lets nobody
+    choose, so such a worker ends its Ray Train function normally (nothing to retry) and posts its
+    code here instead; the launcher then ends with that code."""
+
+    def __init__(self):
+        self.exits: dict[int, tuple[int, int, int, str]] = {}
+
+    def post(self, code: int, rank: int, size: int, node: str) -> None:
+        self.exits.setdefault(rank, (code, rank, size, node))
+
+    def lowest(self):
+        """(code, rank, size, node) of the lowest worker rank that posted, or None."""
+        return self.exits[min(self.exits)] if self.exits else None
 
 
 def child_env(base: Mapping[str, str], extra: Mapping[str, str], coordinator: str, size: int,
@@ -69,11 +89,13 @@ def run(config: dict) -> None:
 
     Args:
       config: the ``worker`` part of the launcher's spec: ``argv`` (after ``python -m
-        jaxtrain.train``), ``env``, ``chdir``, ``python`` (None: this worker's interpreter) and
-        ``coordinator_port`` (0: a free one on worker 0's node).
+        jaxtrain.train``), ``env``, ``chdir``, ``python`` (None: this worker's interpreter),
+        ``coordinator_port`` (0: a free one on worker 0's node) and ``board`` (the name of the
+        launcher's :class:`ExitBoard`, where an exit no restart can fix is posted instead of raised).
 
     Raises:
-      TrainingExited: the training process ended with a non-zero exit code (or a signal: -N).
+      TrainingExited: the training process ended with a non-zero exit code (or a signal: -N) that a
+        restart may fix.
       RuntimeError: ``chdir`` is not a directory on this node.
     """
     import ray
@@ -91,6 +113,12 @@ def run(config: dict) -> None:
     child = subprocess.Popen([sys.executable, "-m", __name__, str(os.getpid()), *command], cwd=config["chdir"],
                              env=child_env(os.environ, config["env"], coordinator, size, rank))
     code = child.wait()
+    if code in NO_RETRY_EXITS and config.get("board"):
+        board = ray.get_actor(config["board"], namespace=BOARD_NAMESPACE)
+        ray.get(board.post.remote(code, rank, size, ip), timeout=60)
+        print(f"jaxtrain.launch ray: worker {rank} of {size}: jaxtrain.train exited with code {code} "
+              f"({NO_RETRY_EXITS[code]}): not retried", flush=True)
+        return  # a raise would make Ray Train restart the group, which would fail the same way
     if code:
         raise TrainingExited(code, rank, size, ip)
 

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import argparse
 
-from jaxtrain.errors import LaunchError
+from jaxtrain.errors import NO_RETRY_EXITS, LaunchError
 from jaxtrain.launch import k8s
 from jaxtrain.launch.common import Job, nonnegative_int
 from jaxtrain.runtime.job import PORT_VAR
 
 KIND = k8s.Kind("Job", "batch.volcano.sh", "v1alpha1", "jobs", "vcjob", "Volcano")
 TASK = "worker"  # part of every pod's host name: short
-NO_RETRY_EXITS = {2: "bad input", 3: "the run diverged"}  # jaxtrain's exit codes a restart cannot fix
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:

@@ -22,7 +22,8 @@ from jaxtrain.launch import ray_worker
 pytest.importorskip("ray.train.v2.jax")
 
 DRY = ["ray", "--config", CONFIG, "--nodes", "4", "--min-nodes", "2", "--gpus-per-worker", "8", "--chdir", "/shared",
-       "--resource", "memory=2e9", "--env", "NCCL_DEBUG=INFO", "--dry-run", "train.steps=10"]
+       "--resource", "memory=2e9", "--env", "NCCL_DEBUG=INFO", "--dry-run", "train.steps=10",
+       "distributed.device_micro_batch=5"]  # 480 rows on 16, 24 or 32 GPUs: accumulation 6, 4 or 3
 
 
 def test_dry_run_prints_the_run():
@@ -32,7 +33,7 @@ def test_dry_run_prints_the_run():
         "address": "10.0.0.1:6379", "name": "jaxtrain-shakespeare-char", "workers": 4, "min_workers": 2,
         "resources_per_worker": {"CPU": 1.0, "GPU": 8, "memory": 2e9}, "placement_strategy": "STRICT_SPREAD",
         "max_failures": 5, "storage_path": None,
-        "worker": {"argv": ["--config", CONFIG, "train.steps=10"], "env": {"NCCL_DEBUG": "INFO"}, "chdir": "/shared",
+        "worker": {"argv": ["--config", CONFIG, "train.steps=10", "distributed.device_micro_batch=5"], "env": {"NCCL_DEBUG": "INFO"}, "chdir": "/shared",
                    "python": None, "coordinator_port": 0}}
 
 
@@ -203,3 +204,27 @@ def test_a_killed_worker_restarts_the_group_which_resumes(ray_cluster, uninterru
     reference = {r["step"]: r["loss"] for r in _rows(uninterrupted[1]) if "loss" in r}
     assert all(abs(r["loss"] - reference[r["step"]]) <= 1e-5 for r in rows if "loss" in r)
     assert (run_dir / "checkpoints" / "32" / "COMMIT.json").is_file()
+
+
+@pytest.mark.servers
+@pytest.mark.slow
+def test_bad_input_in_training_ends_the_run_with_exit_2_unretried(ray_cluster, tmp_path):
+    """The training processes exit 2 (their data.path does not exist on the nodes, which the launcher cannot
+    see): the launcher exits 2 at once with an error naming the worker and the code, and Ray Train never
+    restarts the group (at 5eb7ae3 it exited 1 with a TypeError, after --max-failures restarts)."""
+    proc = _start(ray_cluster, tmp_path, str(tmp_path / "no-such-corpus.txt"), "jt-ray-c")
+    try:
+        proc.wait(timeout=150)
+    finally:
+        proc.kill()
+    out = (tmp_path / "launch.log").read_text(errors="replace")
+    assert proc.returncode == 2, out[-6000:]
+    assert out.splitlines()[-1] == (
+        "error: Ray Train run 'jt-ray-c' failed: jaxtrain.train exited with code 2 (bad input) on worker 0 of 2 (node "
+        "127.0.0.2); not retried: a restart would fail the same way (the worker's output above says why)"), out[-6000:]
+    for rank in (0, 1):  # each worker started once, by one Ray worker: no restart (Ray prints each line twice)
+        started = re.findall(rf"\(RayTrainWorker pid=(\d+)\)\S* jaxtrain\.launch ray: worker {rank} of 2 on node", out)
+        assert len(started) >= 1 and len(set(started)) == 1, out[-6000:]
+        assert f"jaxtrain.launch ray: worker {rank} of 2: jaxtrain.train exited with code 2 (bad input): not " \
+               f"retried" in out
+    assert f"error: data.path: {tmp_path / 'no-such-corpus.txt'}" in out, out[-6000:]

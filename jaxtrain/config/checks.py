@@ -9,6 +9,7 @@ import math
 from typing import TYPE_CHECKING, Any, Optional
 
 from jaxtrain.config.base import MESH_AXES, SINKS
+from jaxtrain.config.features import check_gated
 from jaxtrain.errors import ConfigError
 
 if TYPE_CHECKING:  # annotations only: the schema imports this module
@@ -54,6 +55,7 @@ def check_consistency(cfg: "Config") -> None:
             f"train.global_batch: {t.global_batch} is not divisible by train.grad_accum={t.grad_accum}")
     _check_data(cfg)
     _check_optimizer(cfg.optimizer)
+    check_gated(cfg)
     d = cfg.distributed
     for key in ("init_timeout_s", "peer_timeout_s", "stop_check_every", "num_processes", "device_micro_batch"):
         if getattr(d, key) is not None:

@@ -10,8 +10,9 @@ directory, the step, the SHA-256 of ``config.yaml``, the validation loss at that
 package versions, and the SHA-256 of each exported file (``jaxtrain.files_sha256``, JSON). The
 version must then become READY (``--ready-timeout-s``) and its files, read back from the
 registry, must hash as exported; only then does ``--alias`` point at it (an alias moves, e.g.
-from the previous candidate). Otherwise :class:`RegistryError` names what went wrong and the
-alias stays where it was. The server is ``metrics.mlflow_tracking_uri`` or ``$MLFLOW_TRACKING_URI``.
+from the previous candidate). Otherwise :class:`RegistryError` names what went wrong, the version
+is deleted (no consumer finds a version whose files were never confirmed) and the alias stays
+where it was. The server is ``metrics.mlflow_tracking_uri`` or ``$MLFLOW_TRACKING_URI``.
 """
 from __future__ import annotations
 
@@ -58,7 +59,8 @@ def register(run_dir: Path, name: str, alias: Optional[str] = None, step: Option
       ConfigError: not a run directory, no tracking server, or a family without HF converter.
       CheckpointError: no committed checkpoint, or no such step.
       RegistryError: the version failed, was not READY within ``ready_timeout_s``, or a file read
-        back from the registry differs from the export (named); the alias was not moved.
+        back from the registry differs from the export (named); the version was deleted (nothing
+        half-registered) and the alias was not moved.
     """
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
@@ -86,13 +88,24 @@ def register(run_dir: Path, name: str, alias: Optional[str] = None, step: Option
     try:
         version = wait_ready(client, version, ready_timeout_s)
         check_files(uri, version, digests)
-    except RegistryError as err:
-        if alias:
-            raise RegistryError(f"{err}; alias '{alias}' not moved") from None
-        raise
+    except Exception as err:  # noqa: BLE001 - whatever failed (a RegistryError, MLflow's own): nothing half-registered
+        message = str(err) if isinstance(err, RegistryError) else \
+            f"--register: model '{name}' version {version.version}: {type(err).__name__}: {str(err)[:300]}"
+        message += _withdraw(client, name, version.version)
+        raise RegistryError(message + (f"; alias '{alias}' not moved" if alias else "")) from None
     if alias:
         client.set_registered_model_alias(name, alias, version.version)
     return version
+
+
+def _withdraw(client, name: str, number: str) -> str:
+    """Deletes version ``number`` of ``name``, which failed its checks (no consumer may find a version
+    whose files were never confirmed); what to add to the error."""
+    try:
+        client.delete_model_version(name, number)
+    except Exception as err:  # noqa: BLE001 - the failure itself is what is raised; say this too
+        return f"; deleting version {number} failed too ({type(err).__name__}: {str(err)[:200]}): delete it by hand"
+    return f"; version {number} deleted"
 
 
 def _step(cfg, run_dir: Path, step: Optional[int]) -> tuple[int, dict]:

@@ -167,6 +167,22 @@ def check_job(job: Job, processes: int) -> None:
                           f"one checkpoint together; set checkpoint.dir=gs://BUCKET/PATH (or s3://)")
 
 
+def check_container_config(target: str, config: str, container_config: Optional[str]) -> None:
+    """A pod target's containers start from the image, not from this machine: an absolute ``--config``
+    path is this machine's (the image would have to hold the same path by chance), so it is refused
+    unless ``--container-config`` says where the image holds the file. A relative path (from the
+    image's working directory) and a config name shipped with jaxtrain pass.
+
+    Raises:
+      LaunchError: naming ``--config``.
+    """
+    if target in POD_TARGETS and container_config is None and os.path.isabs(config):
+        raise LaunchError(f"--config: {config} is a path on this machine, but the job's containers start from "
+                          f"--image; pass --container-config PATH (where the image holds this file), a path "
+                          f"relative to the image's working directory, or a config name shipped with jaxtrain "
+                          f"(e.g. shakespeare_char)")
+
+
 def job_devices(target: str, job: Job, args: argparse.Namespace) -> tuple[int, int, str]:
     """(processes, devices per process, platform) of the job the flags ask for: one process per node but
     SLURM's ``--ntasks-per-node``; a CPU process has one device unless ``--env XLA_FLAGS`` (SLURM: or this
@@ -268,6 +284,7 @@ def run(argv: Sequence[str], prog: str) -> int:
     args = parser.parse_intermixed_args(rest)
     from jaxtrain.config import load  # imports jax: after the cheap flag checks
     cfg = load(args.config, args.overrides)
+    check_container_config(target, args.config, args.container_config)
     job = Job(target=target, cfg=cfg, config_path=args.container_config or args.config,
               overrides=list(args.overrides), nodes=args.nodes, name=args.name or default_name(args.config),
               env=parse_env(args.env))

@@ -177,8 +177,8 @@ def _trainer(spec: dict, board: str):
                             placement_strategy=spec["placement_strategy"])
     run = RunConfig(name=spec["name"], storage_path=spec["storage_path"],
                     failure_config=FailureConfig(max_failures=spec["max_failures"]))
-    return JaxTrainer(ray_worker.run, train_loop_config={**spec["worker"], "board": board}, jax_config=JaxConfig(use_gpu=False,
-                      use_tpu=False), scaling_config=scaling, run_config=run)
+    return JaxTrainer(ray_worker.run, train_loop_config={**spec["worker"], "board": board},
+                      jax_config=JaxConfig(use_gpu=False, use_tpu=False), scaling_config=scaling, run_config=run)
 
 
 def _failure(err: BaseException, spec: dict) -> SubmitError:

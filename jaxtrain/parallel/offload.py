@@ -262,18 +262,22 @@ class Layout:
     optimizer: bool = False
     params: bool = False
     activations: tuple[str, ...] = ()
+    scan: bool = False  # also sets model.scan_layers=true (parameter offload streams the stacked layers)
 
     def overrides(self) -> list[str]:
         """The config overrides that select this layout."""
         kind = lambda on: "host" if on else "device"  # noqa: E731
         return [f"model.remat={self.remat}", f"offload.optimizer={kind(self.optimizer)}",
-                f"offload.params={kind(self.params)}", f"offload.activations=[{','.join(self.activations)}]"]
+                f"offload.params={kind(self.params)}", f"offload.activations=[{','.join(self.activations)}]",
+                *(["model.scan_layers=true"] if self.scan else [])]
 
     def apply(self, cfg: Any) -> Any:
         """``cfg`` (a Config) with this layout's keys, validated like a loaded config (ConfigError)."""
         from jaxtrain.config import from_dict
         tree = cfg.to_dict()
         tree["model"]["remat"] = self.remat
+        if self.scan:
+            tree["model"]["scan_layers"] = True
         tree["offload"] = {"optimizer": "host" if self.optimizer else "device",
                            "params": "host" if self.params else "device", "activations": list(self.activations)}
         return from_dict(tree)
@@ -281,12 +285,14 @@ class Layout:
     def __str__(self) -> str:
         parts = [p for p, on in (("optimizer", self.optimizer), ("params", self.params),
                                  ("activations", bool(self.activations))) if on]
-        return f"remat={self.remat} offload={'+'.join(parts) or '-'}"
+        return f"remat={self.remat} offload={'+'.join(parts) or '-'}" + (" scan_layers=true" if self.scan else "")
 
 
-def layouts(names: tuple[str, ...]) -> list[Layout]:
+def layouts(names: tuple[str, ...], scan: bool = False) -> list[Layout]:
     """Every layout: remat none / save_matmuls / full x optimizer, params on host or not x the named
-    activations offloaded or not (parameter and activation offload need a recomputing remat policy)."""
+    activations offloaded or not (parameter and activation offload need a recomputing remat policy).
+    ``scan``: the config's layers are not stacked, so the parameter-offload layouts stack them too
+    (``model.scan_layers=true``), rather than being refused for it."""
     out = []
     for remat in ("none", "save_matmuls", "full"):
         for optimizer in (False, True):
@@ -294,7 +300,7 @@ def layouts(names: tuple[str, ...]) -> list[Layout]:
                 for acts in ((), tuple(names)) if names else ((),):
                     if remat == "none" and (params or acts):
                         continue
-                    out.append(Layout(remat, optimizer, params, acts))
+                    out.append(Layout(remat, optimizer, params, acts, scan=scan and params))
     return out
 
 

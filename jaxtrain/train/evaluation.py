@@ -24,14 +24,34 @@ def eval_group(n_batches: int, batch_tokens: int) -> int:
     return max(g for g in range(1, most + 1) if n_batches % g == 0)
 
 
+EVAL_PIECES = 32  # at most: an evaluation is cut into this many programs, each a point to stop at
+
+
+def eval_piece(n_batches: int, group: int) -> int:
+    """The validation batches in each of an evaluation's programs: a multiple of ``group`` (the batches
+    run side by side, :func:`eval_group`) that divides ``n_batches``, giving at most :data:`EVAL_PIECES`
+    programs, and as many as that allows. One length for all: one compiled program.
+
+    Why: a preemption that comes during an evaluation must not wait for the whole validation set
+    (its grace period is the save's): the loop looks for a stop between pieces and, when one is
+    agreed, abandons the evaluation and saves the finished step. One program per piece, never one
+    per batch: a long validation set never floods the devices' queue (XLA:CPU deadlocks on ~100
+    unread multi-device programs in flight). A count with no such divisor (a prime) stays one program.
+    """
+    groups = n_batches // group
+    return group * min(d for d in range(1, groups + 1) if groups % d == 0 and groups // d <= EVAL_PIECES)
+
+
 class Functions(NamedTuple):
     """``eval_step``: (params, {field: [micro, ...]}) -> {'loss', 'weight', <aux metrics>};
     ``evaluate``: (params, {field: [n_batches, micro, ...]}) -> the same, each [n_batches];
-    ``apply``: (params, inputs) -> the model's output (logits for sampling)."""
+    ``apply``: (params, inputs) -> the model's output (logits for sampling);
+    ``piece``: n_batches -> the batches each evaluation program holds (:func:`eval_piece`)."""
 
     eval_step: Callable
     evaluate: Callable
     apply: Callable
+    piece: Callable[[int], int]
 
 
 def functions(plan: Any, model: Any, tracing: Callable) -> Functions:
@@ -73,4 +93,7 @@ def functions(plan: Any, model: Any, tracing: Callable) -> Functions:
         with tracing(plan, sharded=False):
             return model.of(offload.for_forward(params, plan.offload))(inputs)
 
-    return Functions(eval_fn, evaluate, apply)
+    def piece(n_batches: int) -> int:
+        return eval_piece(n_batches, eval_group(n_batches, cfg.micro_batch * cfg.data.seq_len) if side_by_side else 1)
+
+    return Functions(eval_fn, evaluate, apply, piece)

@@ -88,26 +88,31 @@ class StopOnSignal(Hook):
     produces = "stop"
 
     def on_start(self, loop: TrainLoop) -> None:
-        self.loop, self.step = loop, None
+        self.loop = loop
         waiting_for = loop.watch.waiting_for if loop.watch is not None else None
         self.signals = signals.Preemption(loop.cfg.checkpoint.grace_period_s, waiting_for=waiting_for).__enter__()
         signals.startup_over()  # after: no moment without a handler that stops cleanly
         self.agreement = StopAgreement(loop.setup.mesh.devices) if jax.process_count() > 1 else None
         self.every = None if self.agreement is None else loop.cfg.distributed.stop_check_every
+        loop.stop_poll = lambda: self.poll(loop.record.step + 1 if loop.record else loop.start, now=True)
 
-    def after_step(self, loop: TrainLoop, rec: StepRecord) -> str:
+    def poll(self, step: int, now: bool = False) -> str:
+        """The signal's name if one came, else "". Many processes: a signal to any of them, as agreed
+        at the previous exchange (``now``: at this one, waiting for it), so every process gets the
+        same answer at the same call."""
         if self.agreement is None:
             signum = self.signals.signum
-        elif rec.last:  # the run ends here anyway; no exchange every process would have to match
-            return ""
         else:
-            work = loop.begin("the stop agreement (a collective of every process)", rec.step)
-            signum = self.agreement.exchange(self.signals.signum)
+            work = self.loop.begin("the stop agreement (a collective of every process)", step)
+            exchange = self.agreement.exchange_now if now else self.agreement.exchange
+            signum = exchange(self.signals.signum)
             work.until(self.agreement.pending)
-        if not signum:
+        return signal.Signals(signum).name if signum else ""
+
+    def after_step(self, loop: TrainLoop, rec: StepRecord) -> str:
+        if self.agreement is not None and rec.last:  # the run ends here anyway; no exchange all must match
             return ""
-        self.step = rec.step
-        return signal.Signals(signum).name
+        return self.poll(rec.step)
 
     def on_end(self, loop: TrainLoop, ok: bool) -> None:
         rec = loop.record
@@ -215,8 +220,9 @@ class LogMetrics(Hook):
 
 class Evaluate(Hook):
     """Every ``train.eval_every`` steps and at ``train.steps``; at the end, the final validation loss.
-    Not at a step a stop signal ends the run at: the grace period is the save's (an evaluation cannot
-    be cut short once dispatched, and a large validation set could use the grace up)."""
+    Not at a step a stop signal ends the run at: the grace period is the save's. A stop that comes
+    during an evaluation abandons it between two of its pieces (:meth:`TrainLoop.evaluate`), and the
+    step is saved as the run's final one."""
 
     every, at, produces, reads = "train.eval_every", "last", "evaluation", ("stop",)
 
@@ -263,11 +269,12 @@ class Checkpointing(Hook):
         ckpt = self.ckpt
         # During a run of skipped steps the params do not change: a periodic save would only rotate
         # older (good) checkpoints away.
-        saving = bool(rec.stop) or (ckpt.due(rec.step, final=rec.last) and (rec.last or not rec.skipped.streak))
-        if saving or ckpt.started(rec.step):
-            evaluation = rec.evaluation
-            if evaluation is None and loop.cfg.checkpoint.keep_best and not rec.stop:
-                evaluation = loop.evaluate(rec.step)  # best-K needs this step's metric (kept as the newest)
+        due = ckpt.due(rec.step, final=rec.last) and (rec.last or not rec.skipped.streak)
+        evaluation = rec.evaluation
+        if evaluation is None and loop.cfg.checkpoint.keep_best and not rec.stop and (due or ckpt.started(rec.step)):
+            evaluation = loop.evaluate(rec.step)  # best-K needs this step's metric (kept as the newest)
+        stop = rec.stop or loop.interrupted  # that evaluation may have been cut short by a stop
+        if stop or due or ckpt.started(rec.step):
             metrics = {k: v for k, v in (evaluation or {}).items() if k != "eval_time_s"}
             if ckpt.started(rec.step):  # started while the step was evaluated
                 ckpt.set_metrics(rec.step, metrics)
@@ -275,7 +282,7 @@ class Checkpointing(Hook):
                 jax.block_until_ready(loop.state)  # the steps in flight are training time, not the save's
                 ckpt.save(rec.step, loop.state, loop.batches.get_state(), metrics)
         ckpt.poll()
-        if not rec.stop:
+        if not stop:
             return None
         work = loop.begin("the checkpoint save to commit", rec.step, scale=None)  # bounded by save_timeout_s
         ckpt.wait()  # the save commits before the process exits

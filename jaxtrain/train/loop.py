@@ -175,7 +175,7 @@ class TrainLoop:
     setup: Setup
     state: dict
     batches: Iterator
-    val: dict  # the validation batches {field: [n_batches, micro, ...]} on the mesh
+    val: list  # the validation batches on the mesh, in pieces: [{field: [piece, micro, ...]}, ...]
     sinks: Sinks
     out: Reporter
     result: RunResult
@@ -194,6 +194,10 @@ class TrainLoop:
     # Checkpointing starts the last step's save then, so Orbax writes while the devices evaluate); the
     # time it takes is its own to add to ``paused``, not the evaluation's.
     while_evaluating: list[Callable[["TrainLoop", int], None]] = field(default_factory=list)
+    # () -> the stop signal's name, or "" (StopOnSignal's; many processes: agreed, the same on every
+    # one); the evaluation asks it between its pieces. None: nothing stops an evaluation.
+    stop_poll: Optional[Callable[[], str]] = None
+    interrupted: str = ""  # the stop that cut an evaluation short: this step becomes the final one
 
     @property
     def cfg(self):
@@ -202,7 +206,7 @@ class TrainLoop:
     @property
     def n_val(self) -> int:
         """The number of validation batches."""
-        return next(iter(self.val.values())).shape[0]
+        return sum(next(iter(piece.values())).shape[0] for piece in self.val)
 
     def begin(self, what: str, step: int = -1, scale: Optional[float] = 1.0, cause: Optional[str] = None):
         """Announces device work to the hang watchdog (:meth:`Watchdog.begin`)."""
@@ -234,12 +238,17 @@ class TrainLoop:
         self.sinks.write(step, values)
         self.result.rows.append({"step": step, **values})
 
-    def evaluate(self, step: int, record: bool = True) -> dict:
+    def evaluate(self, step: int, record: bool = True) -> Optional[dict]:
         """The current params on the validation batches (once per step: a second call at the same step
         returns the first's row); returns (and records) ``{'val_<k>'}`` and ``eval_time_s`` (wall
         seconds, after the train steps in flight finished; counted as paused, not training).
 
-        Each batch's metrics are weighted by its ``weight`` (e.g. its loss-mask tokens).
+        Each batch's metrics are weighted by its ``weight`` (e.g. its loss-mask tokens). The batches
+        run piece by piece (one program each, :func:`jaxtrain.train.evaluation.eval_piece`); after
+        each piece but the last the loop asks :attr:`stop_poll` (StopOnSignal's: every process gets
+        the same answer at the same piece) and, at a stop, abandons the evaluation: returns None and
+        sets :attr:`interrupted`, so the step becomes the run's final one and its save goes ahead
+        within the grace period (an evaluation of the whole set could use the grace up).
 
         Raises:
           NonFiniteError: the validation loss is NaN or infinite (recorded first; nothing more is saved).
@@ -247,20 +256,32 @@ class TrainLoop:
         if record and self.last_eval.get("step") == step:
             return {k: v for k, v in self.last_eval.items() if k != "step"}
         jax.block_until_ready(self.state)  # the steps in flight are training time, not evaluation
-        evaluate = None
+        params, pieces, evaluate = self.state["params"], self.val, None
         if self.precompiled is not None:
             with self.compiling("the evaluation's compile"):
-                evaluate = self.precompiled.evaluation(self.state["params"], self.val)
+                evaluate = self.precompiled.evaluation(params, pieces[0])
+        evaluate = evaluate or self.setup.fns.evaluate
         # Before the dispatch: a one-device CPU program may run inline (provider_hooks.runs_inline), so
         # a save started after it would begin only once the evaluation ended. Not evaluation time: each
         # callback counts its own (the last step's save: 'checkpoint').
         for fn in self.while_evaluating:
             fn(self, step)
-        t0 = time.perf_counter()
-        work = self.begin("the evaluation", step, scale=max(1.0, self.n_val / self.cfg.train.grad_accum))
-        outs = (evaluate or self.setup.fns.evaluate)(self.state["params"], self.val)  # one program
-        work.until(outs["loss"])
-        outs = {k: np.asarray(v, np.float64) for k, v in jax.device_get(outs).items()}
+        t0, parts = time.perf_counter(), []
+        for i, piece in enumerate(pieces):
+            n = next(iter(piece.values())).shape[0]
+            work = self.begin("the evaluation", step, scale=max(1.0, n / self.cfg.train.grad_accum))
+            out = evaluate(params, piece)  # one program for the piece's batches
+            work.until(out["loss"])
+            parts.append(out)
+            stop = self.stop_poll() if self.stop_poll is not None and i + 1 < len(pieces) else ""
+            if stop:
+                self.paused["evaluation"] += time.perf_counter() - t0
+                self.interrupted = stop
+                self.out.info(f"{stop} during the evaluation at step {step}: evaluation abandoned after {i + 1} of "
+                              f"{len(pieces)} pieces; saving the step")
+                return None
+        got = jax.device_get(parts)  # each {'loss', 'weight', ...: [piece]}
+        outs = {k: np.concatenate([np.asarray(g[k], np.float64) for g in got]) for k in got[0]}
         w = outs.pop("weight")
         keys = ["loss", *sorted(k for k in outs if k != "loss")]
         row = {f"val_{k}": float(np.average(outs[k], weights=w)) for k in keys}
@@ -361,6 +382,8 @@ class TrainLoop:
                 self.paused[hook.pauses] = self.paused.get(hook.pauses, 0.0) + time.perf_counter() - t0 - inside
             if hook.produces:
                 rec = dataclasses.replace(rec, **{hook.produces: value})
+            if self.interrupted and not rec.stop:  # a stop agreed during an evaluation: this is the final step
+                rec = dataclasses.replace(rec, stop=self.interrupted)
         self.record = rec
         self.result.preempted = rec.stop or self.result.preempted
         self.result.nonfinite_steps = rec.skipped.total

@@ -88,7 +88,10 @@ class Precompile:
         # Only to fill the caches the first calls read: a failure here is the call's to raise again.
         if state is not None and val and not self._cancelled.is_set():
             sharding = s.fns.batch_sharding
-            shaped = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in val.items()}
+            n = next(iter(val.values())).shape[0]
+            piece = s.fns.eval_piece(n)  # the loop evaluates piece by piece (put_validation)
+            shaped = {k: jax.ShapeDtypeStruct((piece, *v.shape[1:]), v.dtype, sharding=sharding)
+                      for k, v in val.items()}
             self._warm("evaluation", lambda: self._compile_evaluation(s, state["params"], shaped))
         self._ready["evaluation"].set()
         if state is not None and sample is not None and not self._cancelled.is_set():

@@ -54,6 +54,7 @@ class StepFunctions:
     grads: Callable  # (params, batch) -> (loss, aux metrics, grads): the step's gradient, without the update
     eval_step: Callable  # (params, {field: [micro, ...]}) -> {'loss', 'weight', <aux metrics>}
     evaluate: Callable  # (params, {field: [n_batches, micro, ...]}) -> {'loss', 'weight', ...: [n_batches]}
+    eval_piece: Callable  # n_batches -> the batches each evaluation program holds (evaluation.eval_piece)
     apply: Callable  # (params, inputs) -> model(inputs), e.g. logits [batch, length, vocab] for sampling
     model_dtypes: Any  # the params' pytree of the dtypes the model declares (the stored ones may be float32)
     low_precision: list  # paths of low-precision parameters trained without float32 masters (a warning)
@@ -286,6 +287,7 @@ def build(plan: RunPlan, model_spec: ModelSpec) -> StepFunctions:
         grads=jax.jit(grads_fn, in_shardings=(stored_sh, batch_sh)),
         eval_step=jax.jit(fns.eval_step, in_shardings=(stored_sh, plan.eval_sharding), out_shardings=replicated),
         evaluate=jax.jit(fns.evaluate, in_shardings=(stored_sh, batch_sh), out_shardings=replicated),
+        eval_piece=fns.piece,
         # replicated output: every process can read the logits, also when a model axis spans processes
         apply=jax.jit(fns.apply, in_shardings=(stored_sh, None), out_shardings=replicated),
         model_dtypes=layout.model_dtypes, low_precision=list(layout.low_precision), train_step_options=options,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 from jax.sharding import NamedSharding
@@ -124,7 +124,7 @@ def _fit(s: Setup, run_dir: Path, out: Reporter, extra: Sequence[Hook], peaks: t
         if nothing:
             out.info(f"checkpoint step {start} >= train.steps={cfg.train.steps}: nothing to train "
                      f"(raise train.steps to continue){'; config.yaml is left as it was' if kept else ''}")
-        val = put_validation(data.val, s.fns.batch_sharding)
+        val = put_validation(data.val, s.fns.batch_sharding, s.fns.eval_piece)
         peak = peaks[0]
         _announce(s, state, out, peaks)
         watch = Watchdog(cfg.train.hang_timeout_s, run_dir, jax.process_index())
@@ -194,13 +194,20 @@ def open_checkpointer(s: Setup, run_dir: Path, out: Reporter, on_checkpoint) -> 
     return ckpt
 
 
-def put_validation(val: dict, sharding: NamedSharding) -> dict:
-    """The validation batches ``{field: [n_batches, micro, ...]}`` on the mesh, put once.
+def put_validation(val: dict, sharding: NamedSharding, piece: Optional[Callable[[int], int]] = None):
+    """The validation batches ``{field: [n_batches, micro, ...]}`` on the mesh, put once; with
+    ``piece`` (n_batches -> batches per evaluation program, ``StepFunctions.eval_piece``) a list of
+    such dicts, each ``piece(n_batches)`` batches long, in order (the pieces an evaluation can stop
+    between: :meth:`jaxtrain.train.loop.TrainLoop.evaluate`).
 
     Every process holds the same host arrays and cuts its own devices' shards from them
     (:func:`jaxtrain.parallel.host_data.put`): nothing is sent between processes.
     """
-    return host_data.put(val, sharding)
+    if piece is None:
+        return host_data.put(val, sharding)
+    n = next(iter(val.values())).shape[0]
+    p = piece(n)
+    return [host_data.put({k: v[i:i + p] for k, v in val.items()}, sharding) for i in range(0, n, p)]
 
 
 def resume(s: Setup, ckpt: Optional[Checkpointer], batches, run_dir: Path, out: Reporter) -> dict:

@@ -19,13 +19,21 @@ REPO = Path(__file__).resolve().parents[2]
 SHARED = Path(os.environ.get("JAXTRAIN_SHARED", REPO.parent / "shared"))
 # A path from any working directory; it loads without its data (the config checks never open data.path).
 CONFIG = str(Path(__file__).with_name("shakespeare_char.yaml"))
+# The same file for the pod targets, which refuse an absolute path of this machine without --container-config:
+# relative to the repository root, where launch() and launch_cli() run.
+POD_CONFIG = str(Path(CONFIG).relative_to(REPO))
 
 
 def launch(capsys, *argv: str) -> tuple[int, str, str]:
     """Runs the launcher in this process; returns (exit code, stdout, stderr)."""
     from jaxtrain.launch import main
     capsys.readouterr()
-    code = main(list(argv))
+    here = os.getcwd()
+    os.chdir(REPO)  # POD_CONFIG is relative to it
+    try:
+        code = main(list(argv))
+    finally:
+        os.chdir(here)
     out, err = capsys.readouterr()
     return code, out, err
 

@@ -130,37 +130,39 @@ def test_sigterm_into_a_hung_step_exits_75_within_the_grace_period(tmp_path, cor
 
 
 class CountCalls(Hook):
-    """Counts the calls of the one-program evaluation; a per-batch evaluation call fails the test."""
+    """Counts the evaluation's programs and the batches each held; a per-batch evaluation call fails the test."""
 
     def __init__(self):
-        self.calls = 0
+        self.batches = []
 
     def on_start(self, loop):
         evaluate = loop.setup.fns.evaluate
 
         def counted(params, val):
-            self.calls += 1
+            self.batches.append(next(iter(val.values())).shape[0])
             return evaluate(params, val)
 
         def per_batch(*_):
-            raise AssertionError("an evaluation dispatched a program per batch")
+            raise AssertionError("an evaluation dispatched the one-batch eval_step")
         loop.setup.fns.evaluate, loop.setup.fns.eval_step = counted, per_batch
 
 
-def test_an_evaluation_is_one_program_and_equals_the_per_batch_mean(small_cfg):
-    cfg = small_cfg("train.steps=4", "train.eval_every=2", "train.eval_batches=7", "checkpoint.enabled=false",
+def test_an_evaluation_is_one_program_per_piece_and_equals_the_per_batch_mean(small_cfg):
+    cfg = small_cfg("train.steps=4", "train.eval_every=2", "train.eval_batches=36", "checkpoint.enabled=false",
                     "train.sample_tokens=0")
     hook = CountCalls()
     result = fit(cfg, quiet=True, hooks=[hook])
-    assert hook.calls == 2  # steps 2 and 4, one dispatch each (the final loss is step 4's)
-    # The scanned program's value is the token-weighted mean of the batches' losses, evaluated one by one.
+    # Steps 2 and 4 (the final loss is step 4's), each 18 pieces of 2 batches: at most 32 pieces (a point
+    # to stop at between two), each one program of a scan over its batches.
+    assert hook.batches == [2] * 36
+    # The pieces' value is the token-weighted mean of the batches' losses, evaluated one by one.
     from jaxtrain.train import setup
     from jaxtrain.train.trainer import put_validation
     s = setup(cfg, load_data=True)
     params = result.state["params"]
     val = put_validation(s.data.val, s.fns.batch_sharding)
     scanned = jax.device_get(s.fns.evaluate(params, val))
-    one_by_one = [jax.device_get(s.fns.eval_step(params, {k: v[i] for k, v in val.items()})) for i in range(7)]
+    one_by_one = [jax.device_get(s.fns.eval_step(params, {k: v[i] for k, v in val.items()})) for i in range(36)]
     for i, o in enumerate(one_by_one):
         assert scanned["loss"][i] == pytest.approx(float(o["loss"]), rel=1e-6)
         assert scanned["weight"][i] == float(o["weight"])

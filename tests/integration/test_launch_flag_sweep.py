@@ -10,12 +10,13 @@ import importlib
 import math
 
 import pytest
-from launch_helpers import CONFIG, launch
+from launch_helpers import CONFIG, POD_CONFIG, launch
 
 from jaxtrain.launch import common
 from jaxtrain.launch.common import TARGETS
 
-REQUIRED = {"gke": ["--image", "img"], "vertex": ["--image", "img", "--project", "p", "--machine-type", "n1-standard-4"],
+REQUIRED = {"gke": ["--image", "img"],
+            "vertex": ["--image", "img", "--project", "p", "--machine-type", "n1-standard-4"],
             "slurm": [], "ray": [], "kubeflow": ["--image", "img"], "volcano": ["--image", "img"]}
 VALUES = ["0", "-1", "abc", "nan", "inf", "1.5"]
 
@@ -56,7 +57,7 @@ def test_numeric_flag(capsys, target, flag, kind, value):
     extra = ["--accelerator", "nvidia-tesla-a100"] if flag == "--accelerator-count" else []
     if flag == "--min-nodes":
         extra = ["--nodes", "4"]
-    code, out, err = launch(capsys, target, "--config", CONFIG, "--dry-run", *REQUIRED[target], *extra, flag, value)
+    code, out, err = launch(capsys, target, "--config", POD_CONFIG, "--dry-run", *REQUIRED[target], *extra, flag, value)
     if _valid(kind, value):
         assert code == 0 and out and "error" not in err
         return
@@ -79,14 +80,14 @@ def test_numeric_flag(capsys, target, flag, kind, value):
     ("ray", ["--resource", "memory=-inf"], "--resource: expected NAME=AMOUNT with AMOUNT > 0, got 'memory=-inf'"),
 ])
 def test_numeric_values_of_other_flags(capsys, target, args, message):
-    code, out, err = launch(capsys, target, "--config", CONFIG, "--dry-run", *REQUIRED[target], *args)
+    code, out, err = launch(capsys, target, "--config", POD_CONFIG, "--dry-run", *REQUIRED[target], *args)
     assert (code, out, err) == (2, "", f"error: {message}\n")
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))
 def test_a_node_count_the_global_batch_cannot_take(capsys, target):
     shared = [] if target in ("slurm", "ray") else ["checkpoint.dir=gs://bucket/run"]  # pods: no shared disk
-    code, out, err = launch(capsys, target, "--config", CONFIG, "--dry-run", *REQUIRED[target], "--nodes", "7",
+    code, out, err = launch(capsys, target, "--config", POD_CONFIG, "--dry-run", *REQUIRED[target], "--nodes", "7",
                             "--env", "XLA_FLAGS=", *shared)  # one CPU device per process (slurm: not this shell's)
     assert (code, out) == (2, "")
     assert err == ("error: train.global_batch: micro-batch 480 (global_batch 480 / grad_accum 1) is not divisible by "
@@ -123,3 +124,16 @@ def test_ray_min_nodes_counts_that_all_take_the_batch(capsys, overrides):
 
 def test_sweep_values_are_what_they_say():
     assert math.isnan(float(VALUES[3])) and math.isinf(float(VALUES[4]))
+
+
+@pytest.mark.parametrize("target", sorted(common.POD_TARGETS))
+def test_a_pod_target_refuses_this_machines_absolute_config_path(capsys, target):
+    """At 5eb7ae3 the manifest carried the absolute path, which the image does not hold (the pods failed)."""
+    code, out, err = launch(capsys, target, "--config", CONFIG, "--dry-run", *REQUIRED[target])
+    assert (code, out, err) == (2, "", (
+        f"error: --config: {CONFIG} is a path on this machine, but the job's containers start from --image; pass "
+        f"--container-config PATH (where the image holds this file), a path relative to the image's working "
+        f"directory, or a config name shipped with jaxtrain (e.g. shakespeare_char)\n"))
+    code, out, _ = launch(capsys, target, "--config", CONFIG, "--container-config", "/app/shk.yaml", "--dry-run",
+                          *REQUIRED[target])
+    assert code == 0 and "/app/shk.yaml" in out and CONFIG not in out

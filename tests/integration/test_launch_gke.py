@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import yaml
-from launch_helpers import CONFIG, SHARED, StubServer, crd_validators, launch, launch_cli, schema_errors
+from launch_helpers import POD_CONFIG, SHARED, StubServer, crd_validators, launch, launch_cli, schema_errors
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -35,7 +35,7 @@ _errors = schema_errors
 
 
 def _dry_run(capsys, *args):
-    code, out, err = launch(capsys, "gke", "--config", CONFIG, "--image", "us-docker.pkg.dev/p/r/jaxtrain:1",
+    code, out, err = launch(capsys, "gke", "--config", POD_CONFIG, "--image", "us-docker.pkg.dev/p/r/jaxtrain:1",
                             "--dry-run", *args)
     assert code == 0, err
     return yaml.safe_load(out), err
@@ -71,7 +71,7 @@ def test_manifest_is_a_valid_jobset(capsys, validators, variant):
     (container,) = pod["containers"]
     assert container["image"] == "us-docker.pkg.dev/p/r/jaxtrain:1"
     assert container["command"] + container["args"] == [
-        "python", "-m", "jaxtrain.train", "--config", CONFIG, "train.steps=10", "checkpoint.dir=gs://bucket/ck"]
+        "python", "-m", "jaxtrain.train", "--config", POD_CONFIG, "train.steps=10", "checkpoint.dir=gs://bucket/ck"]
     assert container["env"] == [{"name": "JAXTRAIN_COORDINATOR_ADDRESS", "value": COORDINATOR},
                                 {"name": "JAXTRAIN_NUM_PROCESSES", "value": str(nodes)}, *JOBSET_ENV,
                                 {"name": "JOBSET_PODS_PER_JOB", "value": str(nodes)}]
@@ -205,39 +205,39 @@ def test_local_checkpoint_dir_is_noted_on_stderr(capsys):
                         "nodes write one checkpoint together; set checkpoint.dir=gs://BUCKET/PATH (or s3://)")),
 ])
 def test_bad_input_is_a_named_error(capsys, args, message):
-    code, out, err = launch(capsys, "gke", "--config", CONFIG, "--image", "img", "--dry-run", *args)
+    code, out, err = launch(capsys, "gke", "--config", POD_CONFIG, "--image", "img", "--dry-run", *args)
     assert (code, out, err) == (2, "", f"error: {message}\n")
 
 
 def test_pod_name_limit_counts_the_last_pod(capsys):
     ok = "a" * 51  # a-...-workers-0-9 is 63 characters: allowed
-    code, _, err = launch(capsys, "gke", "--config", CONFIG, "--image", "img", "--dry-run", "--nodes", "10",
+    code, _, err = launch(capsys, "gke", "--config", POD_CONFIG, "--image", "img", "--dry-run", "--nodes", "10",
                           "--name", ok, "checkpoint.dir=gs://b/c")
     assert code == 0, err
-    code, _, err = launch(capsys, "gke", "--config", CONFIG, "--image", "img", "--dry-run", "--nodes", "11",
+    code, _, err = launch(capsys, "gke", "--config", POD_CONFIG, "--image", "img", "--dry-run", "--nodes", "11",
                           "--name", ok)
     assert code == 2 and "'" + ok + "-workers-0-10' has 64 characters (at most 63)" in err
 
 
 def test_cli_dry_run_and_bad_input_exit_codes():
     """Through a real `python -m jaxtrain.launch` process: YAML on stdout (exit 0); bad input exit 2."""
-    done = launch_cli("gke", "--config", CONFIG, "--image", "img", "--nodes", "2", "--dry-run", "train.steps=5",
+    done = launch_cli("gke", "--config", POD_CONFIG, "--image", "img", "--nodes", "2", "--dry-run", "train.steps=5",
                       "checkpoint.dir=gs://b/c")
     assert done.returncode == 0, done.stderr
     manifest = yaml.safe_load(done.stdout)
     assert manifest["spec"]["replicatedJobs"][0]["template"]["spec"]["completions"] == 2
-    assert _pod(manifest)["containers"][0]["args"] == ["--config", CONFIG, "train.steps=5", "checkpoint.dir=gs://b/c"]
+    assert _pod(manifest)["containers"][0]["args"] == ["--config", POD_CONFIG, "train.steps=5", "checkpoint.dir=gs://b/c"]
     done = launch_cli("gke", "--image", "img", "--dry-run")
     assert (done.returncode, done.stdout) == (2, "")
     assert done.stderr == ("error: the following arguments are required: --config "
                            "(see python -m jaxtrain.launch gke --help)\n")
-    done = launch_cli("kubernetes", "--config", CONFIG)
+    done = launch_cli("kubernetes", "--config", POD_CONFIG)
     assert (done.returncode, done.stderr) == (2, ("error: unknown target 'kubernetes' (choose one of: gke, vertex, "
                                                   "slurm, ray, kubeflow, volcano)\n"))
 
 
 def test_submit_posts_the_dry_run_manifest(capsys):
-    args = ["gke", "--config", CONFIG, "--image", "img", *VARIANTS["tpu"], "--namespace", "team-a",
+    args = ["gke", "--config", POD_CONFIG, "--image", "img", *VARIANTS["tpu"], "--namespace", "team-a",
             "checkpoint.dir=gs://b/c"]
     code, out, err = launch(capsys, *args, "--dry-run")
     assert code == 0, err
@@ -259,14 +259,14 @@ def test_submit_failure_is_a_short_named_error(capsys, monkeypatch):
                      "message": f'jobsets.jobset.x-k8s.io "{NAME}" already exists', "code": 409}
     with StubServer(conflict) as api:
         monkeypatch.setenv("JAXTRAIN_K8S_HOST", api.url)  # the environment instead of --k8s-host
-        code, out, err = launch(capsys, "gke", "--config", CONFIG, "--image", "img", "checkpoint.dir=gs://b/c")
+        code, out, err = launch(capsys, "gke", "--config", POD_CONFIG, "--image", "img", "checkpoint.dir=gs://b/c")
     assert len(api.requests) == 1
     assert (code, out) == (1, "")
     assert err == (f"error: the Kubernetes API refused JobSet default/{NAME}: HTTP 409 Conflict: "
                    f'jobsets.jobset.x-k8s.io "{NAME}" already exists (delete it with `kubectl delete jobset '
                    f"{NAME} -n default` or pass --name)\n")
     with StubServer(lambda req: (500, {"message": "etcd unavailable"})) as api:
-        code, out, err = launch(capsys, "gke", "--config", CONFIG, "--image", "img", "checkpoint.dir=gs://b/c",
+        code, out, err = launch(capsys, "gke", "--config", POD_CONFIG, "--image", "img", "checkpoint.dir=gs://b/c",
                                 "--k8s-host", api.url)
     assert (code, err) == (1, (f"error: the Kubernetes API refused JobSet default/{NAME}: HTTP 500 Internal Server "
                                f"Error: etcd unavailable\n"))
@@ -274,7 +274,7 @@ def test_submit_failure_is_a_short_named_error(capsys, monkeypatch):
 
 def test_bad_config_submits_nothing(capsys):
     with StubServer() as api:
-        code, _, err = launch(capsys, "gke", "--config", CONFIG, "--image", "img", "--k8s-host", api.url,
+        code, _, err = launch(capsys, "gke", "--config", POD_CONFIG, "--image", "img", "--k8s-host", api.url,
                               "optimizer.lr=-1")
     assert (code, err) == (2, "error: optimizer.lr: must be > 0, got -1.0\n")
     assert api.requests == []
@@ -283,12 +283,12 @@ def test_bad_config_submits_nothing(capsys):
 def test_missing_kubernetes_library_is_named():
     """Without the kubernetes package: submission says how to install it (exit 2); --dry-run needs no client."""
     no_k8s = "import sys; sys.modules['kubernetes'] = None"
-    done = launch_cli("gke", "--config", CONFIG, "--image", "img", "--k8s-host", "http://127.0.0.1:9",
+    done = launch_cli("gke", "--config", POD_CONFIG, "--image", "img", "--k8s-host", "http://127.0.0.1:9",
                       "checkpoint.dir=gs://b/c", prelude=no_k8s)
     assert (done.returncode, done.stdout) == (2, "")
     assert done.stderr == ("error: the gke launcher needs 'kubernetes', which is not installed: "
                            "pip install 'jaxtrain[launch]'\n")
-    done = launch_cli("gke", "--config", CONFIG, "--image", "img", "--dry-run", "checkpoint.dir=gs://b/c",
+    done = launch_cli("gke", "--config", POD_CONFIG, "--image", "img", "--dry-run", "checkpoint.dir=gs://b/c",
                       prelude=no_k8s)
     assert done.returncode == 0, done.stderr
     assert yaml.safe_load(done.stdout)["kind"] == "JobSet"

@@ -9,7 +9,7 @@ import re
 
 import pytest
 import yaml
-from launch_helpers import CONFIG, SHARED, StubServer, crd_validators, launch, schema_errors
+from launch_helpers import POD_CONFIG, SHARED, StubServer, crd_validators, launch, schema_errors
 
 from jaxtrain.config.schema import DistributedConfig
 from jaxtrain.runtime.job import Plan, detect
@@ -17,7 +17,7 @@ from jaxtrain.runtime.job import Plan, detect
 pytest.importorskip("jsonschema")
 
 NAME = "jaxtrain-shakespeare-char"
-BASE = ["kubeflow", "--config", CONFIG, "--image", "us-docker.pkg.dev/p/r/jaxtrain:1"]
+BASE = ["kubeflow", "--config", POD_CONFIG, "--image", "us-docker.pkg.dev/p/r/jaxtrain:1"]
 GPU = ["--nodes", "2", "--gpus", "8", "--node-selector", "cloud.google.com/gke-accelerator=nvidia-h100-80gb",
        "--env", "NCCL_DEBUG=INFO"]
 
@@ -51,7 +51,7 @@ def test_manifest_is_a_valid_trainjob_on_the_jax_runtime(capsys, validators):
                                   "name": "jax-distributed"}
     assert spec["trainer"] == {
         "image": "us-docker.pkg.dev/p/r/jaxtrain:1", "command": ["python", "-m", "jaxtrain.train"],
-        "args": ["--config", CONFIG, "train.steps=10", "checkpoint.dir=gs://bucket/ck"], "numNodes": 2,
+        "args": ["--config", POD_CONFIG, "train.steps=10", "checkpoint.dir=gs://bucket/ck"], "numNodes": 2,
         "env": [{"name": "NCCL_DEBUG", "value": "INFO"}],
         "resourcesPerNode": {"limits": {"nvidia.com/gpu": 8}, "requests": {"nvidia.com/gpu": 8}}}
     (patch,) = spec["runtimePatches"]

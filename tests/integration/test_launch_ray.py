@@ -33,8 +33,8 @@ def test_dry_run_prints_the_run():
         "address": "10.0.0.1:6379", "name": "jaxtrain-shakespeare-char", "workers": 4, "min_workers": 2,
         "resources_per_worker": {"CPU": 1.0, "GPU": 8, "memory": 2e9}, "placement_strategy": "STRICT_SPREAD",
         "max_failures": 5, "storage_path": None,
-        "worker": {"argv": ["--config", CONFIG, "train.steps=10", "distributed.device_micro_batch=5"], "env": {"NCCL_DEBUG": "INFO"}, "chdir": "/shared",
-                   "python": None, "coordinator_port": 0}}
+        "worker": {"argv": ["--config", CONFIG, "train.steps=10", "distributed.device_micro_batch=5"],
+                   "env": {"NCCL_DEBUG": "INFO"}, "chdir": "/shared", "python": None, "coordinator_port": 0}}
 
 
 @pytest.mark.parametrize("args, message", [

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from launch_helpers import CONFIG, StubServer, launch, launch_cli
+from launch_helpers import POD_CONFIG, StubServer, launch, launch_cli
 
 aip = pytest.importorskip("google.cloud.aiplatform_v1")
 
-BASE = ["vertex", "--config", CONFIG, "--image", "us-docker.pkg.dev/p/r/jaxtrain:1", "--project", "my-proj",
+BASE = ["vertex", "--config", POD_CONFIG, "--image", "us-docker.pkg.dev/p/r/jaxtrain:1", "--project", "my-proj",
         "--region", "europe-west4", "--machine-type", "a3-highgpu-8g"]
 GPU = ["--accelerator", "NVIDIA_H100_80GB", "--accelerator-count", "8"]
 JOB_NAME = "projects/my-proj/locations/europe-west4/customJobs/4242"
@@ -21,7 +21,7 @@ def _pool(replicas: str, accelerator_type) -> dict:
         "replicaCount": replicas,  # int64: a string in proto JSON
         "containerSpec": {"imageUri": "us-docker.pkg.dev/p/r/jaxtrain:1",
                           "command": ["python", "-m", "jaxtrain.train"],
-                          "args": ["--config", CONFIG, "train.steps=10", "checkpoint.dir=gs://b/ck"],
+                          "args": ["--config", POD_CONFIG, "train.steps=10", "checkpoint.dir=gs://b/ck"],
                           "env": [{"name": "NCCL_DEBUG", "value": "INFO"}]},
     }
 
@@ -93,7 +93,8 @@ def test_bad_input_is_a_named_error(capsys, args, message):
 
 
 def test_cli_missing_project_exits_2():
-    done = launch_cli("vertex", "--config", CONFIG, "--image", "img", "--machine-type", "n1-standard-8", "--dry-run")
+    done = launch_cli("vertex", "--config", POD_CONFIG, "--image", "img", "--machine-type", "n1-standard-8",
+                      "--dry-run")
     assert (done.returncode, done.stdout) == (2, "")
     assert done.stderr == ("error: the following arguments are required: --project "
                            "(see python -m jaxtrain.launch vertex --help)\n")

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import yaml
-from launch_helpers import CONFIG, StubServer, crd_validators, launch, schema_errors
+from launch_helpers import POD_CONFIG, StubServer, crd_validators, launch, schema_errors
 
 from jaxtrain.config.schema import DistributedConfig
 from jaxtrain.runtime.job import Plan, detect
@@ -15,7 +15,7 @@ from jaxtrain.runtime.job import Plan, detect
 pytest.importorskip("jsonschema")
 
 NAME = "jaxtrain-shakespeare-char"
-BASE = ["volcano", "--config", CONFIG, "--image", "us-docker.pkg.dev/p/r/jaxtrain:1"]
+BASE = ["volcano", "--config", POD_CONFIG, "--image", "us-docker.pkg.dev/p/r/jaxtrain:1"]
 VARIANTS = {
     "gpu": ["--nodes", "2", "--gpus", "8", "--node-selector", "cloud.google.com/gke-accelerator=nvidia-h100-80gb"],
     "tpu": ["--nodes", "2", "--resource", "google.com/tpu=4", "--node-selector",
@@ -63,7 +63,7 @@ def test_manifest_is_a_valid_volcano_job(capsys, validators, variant):
     assert pod["restartPolicy"] == "Never" and pod["terminationGracePeriodSeconds"] == 60
     container = _container(manifest)
     assert container["command"] + container["args"] == [
-        "python", "-m", "jaxtrain.train", "--config", CONFIG, "train.steps=10", "checkpoint.dir=gs://bucket/ck"]
+        "python", "-m", "jaxtrain.train", "--config", POD_CONFIG, "train.steps=10", "checkpoint.dir=gs://bucket/ck"]
     assert container["env"] == [{"name": "JAX_COORDINATOR_PORT", "value": "8476"}]
     assert container["ports"] == [{"name": "coordinator", "containerPort": 8476}]
     limits = {"gpu": {"nvidia.com/gpu": 8}, "tpu": {"google.com/tpu": 4}, "cpu": {"cpu": 8, "memory": "32Gi"}}[variant]

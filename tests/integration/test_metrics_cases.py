@@ -82,7 +82,8 @@ def test_an_overlong_mlflow_param_is_cut_with_a_marker_and_named_in_one_warning(
     limit = external.param_limit()
     assert limit == 6000  # MLflow 3's MAX_PARAM_VAL_LENGTH
     cfg = small_cfg("train.sample_prompt=" + "p" * (limit + 2000), "data.separator=" + "s" * (limit + 1),
-                    "data.bos_token=" + "b" * limit, f"metrics.mlflow_tracking_uri={mlflow_server}",
+                    "data.bos_token=" + "b" * limit, "data.mode=packed", "data.add_bos=true",  # where both are read
+                    f"metrics.mlflow_tracking_uri={mlflow_server}",
                     "metrics.sinks=[mlflow]", "metrics.mlflow_experiment=long-params")
     run_dir = tmp_path / "long"
     run_dir.mkdir()
@@ -183,8 +184,10 @@ def test_register_a_file_that_differs_in_the_registry_is_named_and_the_alias_sta
     assert err.endswith(
         f"\nerror: --register: model 'cases-bad' version 2: the registry's files differ from the export: "
         f"config.json has sha256 {sha256(bad / 'config.json')[:12]}..., exported {want[:12]}...; "
-        f"alias 'candidate' not moved\n"), err
+        f"version 2 deleted; alias 'candidate' not moved\n"), err
     assert client.get_model_version_by_alias("cases-bad", "candidate").version == "1"
+    # nothing half-registered: the version whose files differ is gone (at 94de100 it stayed, READY)
+    assert [v.version for v in client.search_model_versions("name='cases-bad'")] == ["1"]
 
 
 @pytest.mark.parametrize("ends", ["FAILED_REGISTRATION", "PENDING_REGISTRATION"])
@@ -211,14 +214,15 @@ def test_register_a_version_that_fails_or_stays_pending_is_named_and_the_alias_s
     err = capsys.readouterr().err
     if ends == "FAILED_REGISTRATION":
         assert err == (f"error: --register: model '{name}' version 2 ended FAILED_REGISTRATION: storage copy "
-                       f"failed; alias 'candidate' not moved\n")
+                       f"failed; version 2 deleted; alias 'candidate' not moved\n")
         assert polls == [0, 1]
     else:
         assert err == (f"error: --register: model '{name}' version 2 is still PENDING_REGISTRATION after 1.5 s "
-                       f"(--ready-timeout-s); alias 'candidate' not moved\n")
+                       f"(--ready-timeout-s); version 2 deleted; alias 'candidate' not moved\n")
         assert 2 <= len(polls) <= 4 and took < 30  # polled about once a second, and gave up
     monkeypatch.undo()
     assert client.get_model_version_by_alias(name, "candidate").version == "1"
+    assert [v.version for v in client.search_model_versions(f"name='{name}'")] == ["1"]
 
 
 def test_register_uses_the_runs_tracking_uri_without_the_environment(small_cfg, mlflow_server, monkeypatch, capsys):

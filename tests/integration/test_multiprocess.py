@@ -202,3 +202,28 @@ def test_a_wrapper_scripts_sys_exit_of_main_ends_every_process_at_once(tmp_path,
     assert time.monotonic() - start < 120  # not the peer timeout: process 0 heard the other's word
     assert "did not reach the end of the run" not in job.output(0)
     assert sorted(mp.losses(tmp_path / "run")) == [1, 2]
+
+
+@pytest.mark.slow  # ~30 s: two processes train, are stopped, and resume
+def test_a_preemption_during_an_evaluation_saves_the_finished_step(tmp_path, corpus_path, reference):
+    """SIGTERM to both processes 2 s into the evaluation after step 2 (400 validation batches, ~23 s here:
+    longer than the 10 s grace period): both abandon the evaluation between two of its pieces, commit step 2 and exit
+    0; the rerun continues with the uninterrupted run's losses. At 5eb7ae3 both exited 75 once the grace
+    ran out inside the one-program evaluation, and step 2 was never saved."""
+    run_dir = tmp_path / "run"
+    job = mp.Job(2, 4, args(corpus_path, run_dir, "train.eval_every=2", "train.eval_batches=400",
+                            "checkpoint.every=1000", "checkpoint.grace_period_s=10"))
+    job.wait_for("step      2 | loss")
+    time.sleep(2)
+    for proc in job.procs:
+        proc.send_signal(signal.SIGTERM)
+    assert job.wait() == [0, 0], job.output(0)[-3000:]
+    out = job.output(0)
+    assert re.search(r"SIGTERM during the evaluation at step 2: evaluation abandoned after \d+ of 25 pieces; "
+                     r"saving the step\n", out), out[-3000:]
+    assert "SIGTERM: stopped after step 2; checkpoint committed; rerun to resume" in out, out[-3000:]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["2"]
+    assert not [r for r in mp.rows(run_dir) if "val_loss" in r]  # the evaluation left no row behind
+    resumed = mp.run(2, 4, args(corpus_path, run_dir, "train.eval_batches=2"))
+    assert "resumed from" in resumed.output(0) and close(mp.losses(run_dir), reference)
+    assert max(mp.losses(run_dir)) == STEPS

@@ -158,8 +158,8 @@ def test_string_fields_keep_override_text():
 def test_a_quoted_string_override_is_read_as_yaml_reads_it():
     """'data.separator="\\n\\n"' is two newlines, as in a YAML file (it was the six characters, quotes kept);
     text that is not one whole quoted string is kept as written."""
-    cfg = cfglib.load(None, ['data.separator="\\n\\n"', "train.sample_prompt='it''s'", 'data.path="x',
-                             "run.dir=a'b'"])
+    cfg = cfglib.load(None, ["data.mode=packed", 'data.separator="\\n\\n"', "train.sample_prompt='it''s'",
+                             'data.path="x', "run.dir=a'b'"])  # packed: where data.separator is read
     assert (cfg.data.separator, cfg.train.sample_prompt, cfg.data.path, cfg.run.dir) == ("\n\n", "it's", '"x', "a'b'")
 
 

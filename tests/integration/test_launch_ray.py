@@ -227,4 +227,4 @@ def test_bad_input_in_training_ends_the_run_with_exit_2_unretried(ray_cluster, t
         assert len(started) >= 1 and len(set(started)) == 1, out[-6000:]
         assert f"jaxtrain.launch ray: worker {rank} of 2: jaxtrain.train exited with code 2 (bad input): not " \
                f"retried" in out
-    assert f"error: data.path: {tmp_path / 'no-such-corpus.txt'}" in out, out[-6000:]
+    assert f"error: data.path: no file matches '{tmp_path / 'no-such-corpus.txt'}'" in out, out[-6000:]

@@ -48,6 +48,8 @@ def check_consistency(cfg: "Config") -> None:
     if t.hang_timeout_s is not None and not 0 < t.hang_timeout_s < math.inf:
         raise ConfigError(f"train.hang_timeout_s: must be a positive number of seconds (null: automatic), "
                           f"got {t.hang_timeout_s}")
+    if t.sample_temperature < 0:  # the sampler took any value <= 0 as greedy
+        raise ConfigError(f"train.sample_temperature: must be >= 0 (0 = greedy), got {t.sample_temperature}")
     if t.max_nonfinite_steps < 1:
         raise ConfigError(f"train.max_nonfinite_steps: must be >= 1, got {t.max_nonfinite_steps}")
     if t.global_batch % t.grad_accum:

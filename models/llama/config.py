@@ -94,6 +94,8 @@ class LlamaConfig(ModelConfig):
             raise ConfigError(f"model.rope_theta: must be a finite number > 0, got {self.rope_theta}")
         if not (math.isfinite(self.norm_eps) and self.norm_eps >= 0):
             raise ConfigError(f"model.norm_eps: must be a finite number >= 0, got {self.norm_eps}")
+        if not self.init_std > 0:  # 0 starts every weight at zero; a negative spread means nothing
+            raise ConfigError(f"model.init_std: must be > 0, got {self.init_std}")
         if self.rope_scaling is not None:
             self.rope_scaling.check()
         if self.max_positions is not None:

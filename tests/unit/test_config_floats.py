@@ -67,3 +67,23 @@ def test_every_float_key_refuses_nan_and_infinities_by_name(family, key):
 def test_the_command_line_exits_2_naming_the_key(capsys):
     assert train_cli.main(["checkpoint.grace_period_s=.nan", "run.progress=false"]) == 2
     assert "checkpoint.grace_period_s: must be a finite number, got nan" in capsys.readouterr().err
+
+
+# Where 0 is a meaningful setting (no momentum, no decay, greedy sampling, a loss term off, no epsilon);
+# nowhere is -1 one. Every other float key refuses both by name.
+ZERO_IS_VALID = {"optimizer.b1", "optimizer.b2", "optimizer.min_lr", "optimizer.weight_decay",
+                 "train.sample_temperature", "model.norm_eps", "model.aux_loss_weight", "model.z_loss_weight"}
+
+
+@pytest.mark.parametrize("family, key", sweep())
+def test_every_float_key_refuses_zero_and_minus_one_where_they_mean_nothing(family, key):
+    """At 94de100 ``train.sample_temperature=-1`` sampled greedily and ``model.init_std=0`` or ``-1`` started
+    a run: both are named now."""
+    for value in ("0", "-1"):
+        override = f"data.mixture={{x: {value}}}" if key == "data.mixture.x" else f"{key}={value}"
+        if value == "0" and key in ZERO_IS_VALID:
+            cfglib.load(None, [f"model.family={family}", override])
+            continue
+        with pytest.raises(ConfigError) as e:
+            cfglib.load(None, [f"model.family={family}", override])
+        assert str(e.value).startswith(f"{key.removesuffix('.x')}: "), str(e.value)

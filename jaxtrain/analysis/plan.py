@@ -259,9 +259,15 @@ def plan(cfg: Config, n_devices: int, rule_sets: Optional[Sequence[str]] = None,
 def parse_bytes(text: str) -> int:
     """'80GiB' / '80G' / '8.5e10' -> bytes (K, M, G, T are binary: 1024-based)."""
     m = re.fullmatch(r"\s*([\d.eE+]+)\s*([KMGT]?)(i?B)?\s*", text)
-    if not m:
-        raise ConfigError(f"--device-memory: cannot read '{text}' (examples: 80GiB, 16G, 1e9)")
-    return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2) or " "))
+    try:  # the pattern lets through '1.5.5', '1e', '.', '+' and overflowing exponents
+        number = float(m.group(1)) if m else math.nan
+        value = number * 1024 ** " KMGT".index(m.group(2) or " ") if m else math.nan
+    except (ValueError, OverflowError):
+        value = math.nan
+    if not (math.isfinite(value) and value >= 1):
+        raise ConfigError(f"--device-memory: cannot read '{text}' as a number of bytes >= 1 (examples: 80GiB, 16G, "
+                          f"1e9)")
+    return int(value)
 
 
 
@@ -291,7 +297,7 @@ def _plan(args: argparse.Namespace) -> int:
     from jaxtrain.errors import ConfigError
     if not args.devices or args.devices < 1:
         raise ConfigError("--devices: give the number of devices to plan for, e.g. --devices 8")
-    budget = parse_bytes(args.device_memory) if args.device_memory else None
+    budget = parse_bytes(args.device_memory) if args.device_memory is not None else None
     rule_sets = None
     if args.rules is not None:
         rule_sets = list(dict.fromkeys(r.strip() for r in args.rules.split(",") if r.strip()))  # once each

@@ -30,6 +30,10 @@ def check_consistency(cfg: "Config") -> None:
         positive(f"train.{key}", getattr(t, key))
     positive("data.seq_len", cfg.data.seq_len)
     positive("profile.start_step", cfg.profile.start_step)
+    first, last = cfg.profile.start_step, cfg.profile.start_step + cfg.profile.steps - 1
+    if cfg.profile.steps and last > t.steps:  # the trace would never be written
+        raise ConfigError(f"profile.start_step: steps {first}..{last} end after train.steps={t.steps}; trace steps "
+                          f"within the run")
     if cfg.profile.steps < 0:
         raise ConfigError(f"profile.steps: must be >= 0 (0 = no trace), got {cfg.profile.steps}")
     c = cfg.checkpoint
@@ -148,6 +152,8 @@ def _check_data(cfg: "Config") -> None:
     if d.tokenizer in ("byte", "char") and d.tokenizer_path:  # set, but it would be silently unused
         raise ConfigError(f"data.tokenizer_path: '{d.tokenizer_path}' is not read by data.tokenizer={d.tokenizer}; "
                           f"set data.tokenizer=hf (tokenizer.json) or sentencepiece (.model), or leave the path out")
+    if d.prefetch < 1:  # the Grain pipeline clamped it to 1
+        raise ConfigError(f"data.prefetch: must be >= 1 (batches assembled ahead), got {d.prefetch}")
     if (d.add_bos or d.add_eos) and d.mode == "windows":
         raise ConfigError("data.add_bos: BOS/EOS are added per document: use data.mode=packed or padded")
 

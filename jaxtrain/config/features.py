@@ -48,6 +48,8 @@ GATED = (
     Gated("data.prefetch", _documents, "a document mode (data.mode=packed or padded: Grain's threads)"),
     Gated("data.bos_token", lambda c: c.data.add_bos, "data.add_bos=true"),
     Gated("data.eos_token", lambda c: c.data.add_eos, "data.add_eos=true"),
+    Gated("checkpoint.s3_endpoint", lambda c: (c.checkpoint.dir or "").startswith("s3://"),
+          "an S3 checkpoint.dir (s3://BUCKET/PATH)"),
     Gated("checkpoint.best_metric", lambda c: c.checkpoint.keep_best > 0, "checkpoint.keep_best > 0"),
     Gated("checkpoint.best_mode", lambda c: c.checkpoint.keep_best > 0, "checkpoint.keep_best > 0"),
     Gated("distributed.coordinator_address", _multi, "distributed.mode=auto or on"),

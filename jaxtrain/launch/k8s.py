@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import yaml
 
 from jaxtrain.errors import LaunchError, SubmitError
-from jaxtrain.launch.common import Job, connection_reason, nonnegative_int, positive_int, require
+from jaxtrain.launch.common import Job, connection_reason, positive_int, require
 
 DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -40,8 +40,11 @@ class Kind:
 
 def port(text: str) -> int:
     """argparse type: a TCP port."""
-    value = nonnegative_int(text)
-    if not 1 <= value <= 65535:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got '{text}'") from None
+    if not 1 <= value <= 65535:  # one message for 0 and for a negative port
         raise argparse.ArgumentTypeError(f"must be a port in 1..65535, got {value}")
     return value
 
@@ -77,6 +80,12 @@ def resources(args: argparse.Namespace) -> dict:
             # the API server refuses a negative limit only at submission; a zero one asks for nothing
             raise LaunchError(f"--resource: {name} must be more than 0, got '{quantity}' (leave out what a pod "
                               f"does not need)")
+        if "/" in name and not quantity.isdigit():  # an extended resource (a device plugin's): whole units only
+            raise LaunchError(f"--resource: {name} is a device plugin's resource, counted in whole units; got "
+                              f"'{quantity}'")
+        if name == "nvidia.com/gpu" and args.gpus:  # the job's device count is read from one of them
+            raise LaunchError(f"--resource: nvidia.com/gpu={quantity} and --gpus {args.gpus} both set the GPUs per "
+                              f"node; give one")
         out[name] = int(quantity) if quantity.isdigit() else quantity
     return out
 

@@ -38,7 +38,12 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 def _port_or_free(text: str) -> int:
     """argparse type: a TCP port, or 0 (a free one)."""
-    return 0 if text.strip() == "0" else port(text)
+    if text.strip() == "0":
+        return 0
+    try:
+        return port(text)
+    except argparse.ArgumentTypeError as err:
+        raise argparse.ArgumentTypeError(f"{err} (or 0: a free one)") from None
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:

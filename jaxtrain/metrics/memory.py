@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -177,6 +178,37 @@ def activation_bytes(model_spec: Any, micro: dict, context: Callable = contextli
         else:
             device += n
     return device, host
+
+
+def check_fits(report: "MemoryReport", devices) -> None:
+    """Refuses a compiled step that cannot run on ``devices``: its device peak above an accelerator's
+    memory (``memory_stats()['bytes_limit']``), or on CPU its peak times this process's devices above
+    the host's physical memory (a bound, not a fit: XLA:CPU's figure counts buffers it may reuse).
+    Without this a step of 1.2 TiB was dispatched and died with RESOURCE_EXHAUSTED, exit 1.
+
+    Raises:
+      InputError: naming the peak, the memory and the keys that size it.
+    """
+    from jaxtrain.errors import InputError
+    peak = (report.compiled or {}).get("device_peak")
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    if not peak or not local:
+        return
+    if local[0].platform == "cpu":
+        try:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return
+        need, what = peak * len(local), f"{len(local)} CPU device{'s' if len(local) > 1 else ''} x {fmt_bytes(peak)}"
+    else:
+        total = (local[0].memory_stats() or {}).get("bytes_limit") if hasattr(local[0], "memory_stats") else None
+        if not total:
+            return
+        need, what = peak, f"{fmt_bytes(peak)} per {local[0].platform.upper()} device"
+    if need > total:
+        raise InputError(f"train.global_batch: the compiled train step needs {what} = {fmt_bytes(need)}, more than "
+                         f"the {fmt_bytes(total)} there is; lower train.global_batch (or raise train.grad_accum), "
+                         f"data.seq_len or the model, or find a layout: python -m jaxtrain.plan --device-memory")
 
 
 def fmt_bytes(n: float) -> str:

@@ -68,7 +68,9 @@ class CompileReport(Hook):
     def on_compile(self, loop: TrainLoop, compiled: Any, seconds: float) -> None:
         cached = " (its traced program read from the program cache)" if getattr(compiled, "loaded", False) else ""
         loop.out.info(f"compiled train step in {seconds:.1f} s{cached}")
-        loop.out.info(memory.state_report(loop.state, loop.setup.fns.state_shardings, compiled).summary())
+        report = memory.state_report(loop.state, loop.setup.fns.state_shardings, compiled)
+        loop.out.info(report.summary())
+        memory.check_fits(report, loop.setup.devices)
         if loop.setup.rules.fallbacks:  # after tracing, so activation fallbacks are listed too
             loop.out.warn_table("sharding.allow_fallback replicated these dimensions", loop.setup.rules.fallbacks)
 

@@ -76,6 +76,12 @@ def test_numeric_flag(capsys, target, flag, kind, value):
      "--resource: nvidia.com/gpu must be more than 0, got '-2' (leave out what a pod does not need)"),
     ("kubeflow", ["--resource", "cpu=nan"],
      "--resource: expected NAME=QUANTITY such as google.com/tpu=4 or memory=64Gi, got 'cpu=nan'"),
+    ("volcano", ["--gpus", "4", "--resource", "nvidia.com/gpu=2"],
+     "--resource: nvidia.com/gpu=2 and --gpus 4 both set the GPUs per node; give one"),
+    ("kubeflow", ["--resource", "google.com/tpu=0.5"],
+     "--resource: google.com/tpu is a device plugin's resource, counted in whole units; got '0.5'"),
+    ("gke", ["--coordinator-port", "-1"], ("argument --coordinator-port: must be a port in 1..65535, got -1 (see "
+                                           "python -m jaxtrain.launch gke --help)")),
     ("ray", ["--resource", "memory=0"], "--resource: expected NAME=AMOUNT with AMOUNT > 0, got 'memory=0'"),
     ("ray", ["--resource", "memory=-inf"], "--resource: expected NAME=AMOUNT with AMOUNT > 0, got 'memory=-inf'"),
 ])

@@ -47,8 +47,8 @@ def test_dry_run_prints_the_run():
     (["--cpus-per-worker", "inf"], "--cpus-per-worker: must be a finite number > 0, got inf"),
     (["--resource", "shm=inf"], "--resource: expected NAME=AMOUNT with AMOUNT > 0, got 'shm=inf'"),
     (["--name", "my run"], "--name: 'my run' is not a valid Ray Train run name (letters, digits, '_', '.', '-')"),
-    (["--coordinator-port", "70000"], ("argument --coordinator-port: must be a port in 1..65535, got 70000 (see "
-                                       "python -m jaxtrain.launch ray --help)")),
+    (["--coordinator-port", "70000"], ("argument --coordinator-port: must be a port in 1..65535, got 70000 (or 0: a "
+                                       "free one) (see python -m jaxtrain.launch ray --help)")),
     (["--env", "JAXTRAIN_RAY_WORLD_RANK=1"],
      "--env: JAXTRAIN_RAY_WORLD_RANK is set for each process by the launcher or the platform; leave it out"),
     (["--nodes", "2", "distributed.mode=off"],

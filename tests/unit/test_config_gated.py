@@ -22,6 +22,7 @@ CASES = {
     "data.prefetch": (8, ["data.mode=packed"]),
     "data.bos_token": ("<s>", ["data.mode=packed", "data.add_bos=true"]),
     "data.eos_token": ("</s>", ["data.mode=packed", "data.add_eos=true"]),
+    "checkpoint.s3_endpoint": ("http://127.0.0.1:9000", ["checkpoint.dir=s3://bucket/run"]),
     "checkpoint.best_metric": ("val_accuracy", ["checkpoint.keep_best=2"]),
     "checkpoint.best_mode": ("max", ["checkpoint.keep_best=2"]),
     "distributed.coordinator_address": ("10.0.0.1:1234", ["distributed.mode=on", "distributed.num_processes=2",
@@ -63,3 +64,16 @@ def test_the_command_line_exits_2_naming_the_key(tmp_path):
         "error: data.bos_token: '<s>' is read only with data.add_bos=true, which this config does not have; turn "
         "that on, or leave data.bos_token at its default ('')")
     assert not (tmp_path / "r").exists()  # nothing written
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.mode=packed", "data.prefetch=0"], "data.prefetch: must be >= 1 (batches assembled ahead), got 0"),
+    (["train.steps=2", "profile.steps=2", "profile.start_step=50"],
+     "profile.start_step: steps 50..51 end after train.steps=2; trace steps within the run"),
+])
+def test_values_the_run_would_quietly_bend_are_named(overrides, message):
+    """A new user's probe found both accepted: the data pipeline clamped the prefetch to 1, and a trace
+    window after the last step wrote no trace."""
+    with pytest.raises(ConfigError) as err:
+        cfglib.load(None, overrides)
+    assert str(err.value) == message

@@ -67,6 +67,13 @@ def test_parse_bytes():
     assert plan.parse_bytes("80GiB") == 80 * 2 ** 30 and plan.parse_bytes("1e6") == 10 ** 6
     with pytest.raises(ConfigError, match="--device-memory: cannot read 'lots'"):
         plan.parse_bytes("lots")
+    # The pattern let these through to float()/int(): a ValueError or OverflowError traceback, exit 1 (a
+    # new user's probe); zero and empty budgets compiled everything against 0 bytes.
+    for text in ("1.5.5GiB", "1e", ".", "+", "1e999", "1e999GiB", "0", "0GiB", "0.0001", ""):
+        with pytest.raises(ConfigError) as err:
+            plan.parse_bytes(text)
+        assert str(err.value) == (f"--device-memory: cannot read '{text}' as a number of bytes >= 1 (examples: "
+                                  f"80GiB, 16G, 1e9)")
 
 
 BUDGET = 3_000_000  # between FSDP's and DP's per-device peak for the SMALL model on 2 devices (~2.87 and ~3.14 MB)

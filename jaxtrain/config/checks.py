@@ -29,13 +29,7 @@ def check_consistency(cfg: "Config") -> None:
     for key in ("steps", "global_batch", "grad_accum", "log_every", "eval_every", "eval_batches"):
         positive(f"train.{key}", getattr(t, key))
     positive("data.seq_len", cfg.data.seq_len)
-    positive("profile.start_step", cfg.profile.start_step)
-    first, last = cfg.profile.start_step, cfg.profile.start_step + cfg.profile.steps - 1
-    if cfg.profile.steps and last > t.steps:  # the trace would never be written
-        raise ConfigError(f"profile.start_step: steps {first}..{last} end after train.steps={t.steps}; trace steps "
-                          f"within the run")
-    if cfg.profile.steps < 0:
-        raise ConfigError(f"profile.steps: must be >= 0 (0 = no trace), got {cfg.profile.steps}")
+    _check_profile(cfg)
     c = cfg.checkpoint
     positive("checkpoint.every", c.every)
     positive("checkpoint.keep", c.keep)
@@ -103,6 +97,18 @@ def _check_pipeline(cfg: "Config") -> None:
             raise ConfigError(f"mesh.across_nodes: '{axis}' is not a mesh axis (mesh axes: {', '.join(MESH_AXES)})")
         if not isinstance(nodes, int) or nodes < 1:
             raise ConfigError(f"mesh.across_nodes.{axis}: must be a whole number of nodes >= 1, got {nodes!r}")
+
+
+def _check_profile(cfg: "Config") -> None:
+    """``profile.*``: a trace window of whole steps inside the run. Raises ConfigError naming the key."""
+    p, steps = cfg.profile, cfg.train.steps
+    positive("profile.start_step", p.start_step)
+    if p.steps < 0:
+        raise ConfigError(f"profile.steps: must be >= 0 (0 = no trace), got {p.steps}")
+    last = p.start_step + p.steps - 1
+    if p.steps and last > steps:  # the trace would never be written
+        raise ConfigError(f"profile.start_step: steps {p.start_step}..{last} end after train.steps={steps}; trace "
+                          f"steps within the run")
 
 
 def _check_offload(cfg: "Config") -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import math
 
 import pytest
 from launch_helpers import CONFIG, POD_CONFIG, launch
@@ -127,9 +126,6 @@ def test_ray_min_nodes_counts_that_all_take_the_batch(capsys, overrides):
                             *overrides)
     assert (code, err) == (0, "") and '"min_workers": 2' in out
 
-
-def test_sweep_values_are_what_they_say():
-    assert math.isnan(float(VALUES[3])) and math.isinf(float(VALUES[4]))
 
 
 @pytest.mark.parametrize("target", sorted(common.POD_TARGETS))
